@@ -1,0 +1,86 @@
+"""A ControlChannel over the in-process fabric.
+
+Requests are delivered to the handler the peer registered with ``serve``; the handler runs in
+the caller's thread (the fake has no sockets to wait on). Faults model this endpoint as a
+server (see :class:`ControlFaults`) and are constructor arguments.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvcr.adapters.mock.fabric import ControlFaults, MockFabric
+from kvcr.ports.clock import Clock
+from kvcr.ports.control import Handler
+from kvcr.ports.errors import ControlTimeout, PeerUnavailable, TransportError
+
+
+class MockControlChannel:
+    def __init__(
+        self, fabric: MockFabric, endpoint: str, clock: Clock, faults: ControlFaults | None = None
+    ) -> None:
+        self._fabric = fabric
+        self._endpoint = endpoint
+        self._clock = clock
+        self._closed = False
+        with fabric.lock:
+            fabric.node(endpoint).control_faults = faults or ControlFaults()
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def requests_served(self) -> int:
+        return self._fabric.node(self._endpoint).served
+
+    def set_faults(self, faults: ControlFaults) -> None:
+        with self._fabric.lock:
+            self._fabric.node(self._endpoint).control_faults = faults
+
+    def serve(self, handler: Handler) -> None:
+        if self._closed:
+            raise TransportError(f"control channel {self._endpoint!r} is closed")
+        node = self._fabric.node(self._endpoint)
+        with self._fabric.lock:
+            if node.control_up and node.handler is not None:
+                raise TransportError(f"endpoint {self._endpoint!r} is already served")
+            node.handler = handler
+            node.control_up = True
+
+    def request(self, endpoint: str, payload: bytes, timeout_s: float) -> bytes:
+        if self._closed:
+            raise TransportError(f"control channel {self._endpoint!r} is closed")
+        with self._fabric.lock:
+            node = self._fabric.find(endpoint)
+            handler = node.handler if node is not None and node.control_up else None
+            faults = node.control_faults if node is not None else ControlFaults()
+        if handler is None or faults.down:
+            raise PeerUnavailable(f"nothing answers at {endpoint}")
+        if faults.stall:
+            self._clock.sleep(timeout_s)
+            raise ControlTimeout(f"{endpoint} did not answer within {timeout_s:g}s")
+        if faults.garble:
+            return b"\x00garbled\xff"
+        reply = handler(bytes(payload))
+        with self._fabric.lock:
+            if node is not None:
+                node.served += 1
+        return reply
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._fabric.lock:
+            node = self._fabric.find(self._endpoint)
+            if node is not None:
+                node.control_up = False
+                node.handler = None
+
+
+if TYPE_CHECKING:
+    from kvcr.adapters.mock.clock import FakeClock
+    from kvcr.ports.control import ControlChannel
+
+    _: ControlChannel = MockControlChannel(MockFabric(), "tcp://127.0.0.1:1", FakeClock())

@@ -1,0 +1,59 @@
+"""Host memory from ctypes buffers, with injectable copy failures.
+
+``fail_after_moves=n`` makes every copy perform its first ``n`` moves and then raise, which
+leaves destinations half-written exactly as a real failure would.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvcr.ports.errors import MemoryCopyError, RegistrationError
+from kvcr.ports.memory import Allocation, Move
+
+
+class MockHostMemory:
+    def __init__(self, *, fail_after_moves: int | None = None) -> None:
+        self.fail_after_moves = fail_after_moves
+        self.copies = 0
+        self._buffers: dict[int, ctypes.Array[ctypes.c_char]] = {}
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int, label: str) -> Allocation:
+        if nbytes <= 0:
+            raise RegistrationError(f"{label}: cannot allocate {nbytes} bytes")
+        buffer = ctypes.create_string_buffer(nbytes)
+        address = ctypes.addressof(buffer)
+        with self._lock:
+            self._buffers[address] = buffer
+        return Allocation(address, nbytes, label)
+
+    def free(self, allocation: Allocation) -> None:
+        with self._lock:
+            self._buffers.pop(allocation.address, None)
+
+    def copy(self, moves: Sequence[Move]) -> None:
+        with self._lock:
+            self.copies += 1
+        limit = self.fail_after_moves
+        for done, move in enumerate(moves):
+            if limit is not None and done >= limit:
+                raise MemoryCopyError(f"injected failure after {limit} moves")
+            ctypes.memmove(move.dst, move.src, move.nbytes)
+
+    def read(self, address: int, nbytes: int) -> bytes:
+        return ctypes.string_at(address, nbytes)
+
+    @property
+    def live_allocations(self) -> int:
+        with self._lock:
+            return len(self._buffers)
+
+
+if TYPE_CHECKING:
+    from kvcr.ports.memory import HostMemory
+
+    _: HostMemory = MockHostMemory()

@@ -1,0 +1,197 @@
+"""Memory layouts: registered regions, references to pieces, and copy runs.
+
+A pool's page is made of one *piece* per physical *component* (MHA: K and V; MLA: one latent).
+Each component lives in a registered :class:`RegionDescriptor` — ``count`` pieces of
+``piece_bytes``, ``stride`` bytes apart from ``base``. A :class:`MemoryRef` names a piece by
+region label and element index, so no raw pointer crosses a layer boundary. Batched IO turns
+(source piece, destination piece) pairs into :class:`CopyRun` s, merging pairs that are adjacent
+on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvcr.domain.errors import LayoutError
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentSpec:
+    """A physical component of a pool: its label and the bytes of one page's piece."""
+
+    label: str
+    piece_bytes: int
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            raise LayoutError("component label must not be empty")
+        if self.piece_bytes <= 0:
+            raise LayoutError(f"component {self.label!r}: piece_bytes must be positive, got {self.piece_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class RegionDescriptor:
+    """``count`` pieces of ``piece_bytes`` each, ``stride`` bytes apart, starting at ``base``."""
+
+    label: str
+    base: int
+    stride: int
+    count: int
+    piece_bytes: int
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            raise LayoutError("region label must not be empty")
+        if self.base < 0:
+            raise LayoutError(f"region {self.label!r}: base must not be negative")
+        if self.piece_bytes <= 0:
+            raise LayoutError(f"region {self.label!r}: piece_bytes must be positive, got {self.piece_bytes}")
+        if self.count <= 0:
+            raise LayoutError(f"region {self.label!r}: count must be positive, got {self.count}")
+        if self.count > 1 and self.stride < self.piece_bytes:
+            raise LayoutError(
+                f"region {self.label!r}: stride {self.stride} is smaller than piece_bytes "
+                f"{self.piece_bytes}, so its own pieces overlap"
+            )
+
+    @property
+    def span(self) -> int:
+        """Bytes from ``base`` to the end of the last piece."""
+        return self.stride * (self.count - 1) + self.piece_bytes
+
+    @property
+    def dense(self) -> bool:
+        """Whether consecutive pieces touch (a run of them is one extent)."""
+        return self.count == 1 or self.stride == self.piece_bytes
+
+    def offset(self, index: int) -> int:
+        """Byte offset of piece ``index`` from ``base``."""
+        if not 0 <= index < self.count:
+            raise LayoutError(f"region {self.label!r}: index {index} is outside [0, {self.count})")
+        return index * self.stride
+
+    def address(self, index: int) -> int:
+        """Absolute address of piece ``index``."""
+        return self.base + self.offset(index)
+
+    def overlaps(self, other: RegionDescriptor) -> bool:
+        """Whether any piece of ``self`` shares a byte with any piece of ``other``."""
+        lo, hi = max(self.base, other.base), min(self.base + self.span, other.base + other.span)
+        if lo >= hi:
+            return False
+        if self.count == 1 and other.count == 1:
+            return True
+        if self.stride == other.stride and self.stride > 0:
+            # Two progressions with one period: compare the pieces' phases inside a period.
+            period = self.stride
+            phase = (other.base - self.base) % period
+            a_hits_b = phase < self.piece_bytes
+            b_hits_a = phase + other.piece_bytes > period
+            return a_hits_b or b_hits_a
+        return True  # different periods over a shared extent: refuse rather than prove
+
+
+def check_disjoint(regions: Sequence[RegionDescriptor]) -> None:
+    """Raise LayoutError naming the first pair of regions that overlap or share a label."""
+    seen: dict[str, RegionDescriptor] = {}
+    for region in regions:
+        if region.label in seen:
+            raise LayoutError(f"region label {region.label!r} is registered twice")
+        seen[region.label] = region
+    ordered = sorted(regions, key=lambda r: r.base)
+    for i, region in enumerate(ordered):
+        for other in ordered[i + 1 :]:
+            if other.base >= region.base + region.span:
+                break
+            if region.overlaps(other):
+                raise LayoutError(f"regions {region.label!r} and {other.label!r} overlap")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRef:
+    """One piece: the region's label and the element index inside it."""
+
+    label: str
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class CopyRun:
+    """``nbytes`` from ``src_label + src_offset`` to ``dst_label + dst_offset``."""
+
+    src_label: str
+    src_offset: int
+    dst_label: str
+    dst_offset: int
+    nbytes: int
+
+
+def project(regions: Sequence[RegionDescriptor], index: int) -> tuple[MemoryRef, ...]:
+    """The pieces of page ``index`` of a pool whose components live in ``regions`` (in order)."""
+    for region in regions:
+        region.offset(index)  # bounds check with a message naming the region
+    return tuple(MemoryRef(region.label, index) for region in regions)
+
+
+def merge_runs(pairs: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, int, int]]:
+    """Merge (dst offset, src offset) pieces of ``nbytes`` into (dst, src, length) runs.
+
+    Pieces are sorted by destination; a piece joins the previous run when it continues it on
+    both sides. Works on offsets or absolute addresses alike.
+    """
+    runs: list[tuple[int, int, int]] = []
+    run_dst = run_src = run_len = -1
+    for dst, src in sorted(pairs):
+        if dst == run_dst + run_len and src == run_src + run_len:
+            run_len += nbytes
+            continue
+        if run_len > 0:
+            runs.append((run_dst, run_src, run_len))
+        run_dst, run_src, run_len = dst, src, nbytes
+    if run_len > 0:
+        runs.append((run_dst, run_src, run_len))
+    return runs
+
+
+def coalesce(
+    pairs: Iterable[tuple[RegionDescriptor, int, RegionDescriptor, int]],
+) -> list[CopyRun]:
+    """Turn (src region, src index, dst region, dst index) pairs into merged copy runs.
+
+    Pairs between the same two regions merge when adjacent on both sides, whatever order the
+    caller listed them in.
+    """
+    groups: dict[tuple[str, str, int], list[tuple[int, int]]] = {}
+    for src, src_index, dst, dst_index in pairs:
+        if src.piece_bytes != dst.piece_bytes:
+            raise LayoutError(
+                f"piece size mismatch: {src.label!r} has {src.piece_bytes} bytes, "
+                f"{dst.label!r} has {dst.piece_bytes}"
+            )
+        group = groups.setdefault((src.label, dst.label, src.piece_bytes), [])
+        group.append((dst.offset(dst_index), src.offset(src_index)))
+    runs: list[CopyRun] = []
+    for (src_label, dst_label, nbytes), offsets in groups.items():
+        runs.extend(
+            CopyRun(src_label, src_off, dst_label, dst_off, length)
+            for dst_off, src_off, length in merge_runs(offsets, nbytes)
+        )
+    return runs
+
+
+def page_slots(token_indices: Sequence[int], page_size: int) -> list[int]:
+    """Host page slots of a run of token indices; each page must be whole, aligned and contiguous."""
+    if page_size <= 0:
+        raise LayoutError(f"page_size must be positive, got {page_size}")
+    if len(token_indices) % page_size:
+        raise LayoutError(f"{len(token_indices)} token indices are not a whole number of {page_size}-token pages")
+    slots = []
+    for start in range(0, len(token_indices), page_size):
+        first = token_indices[start]
+        if first % page_size:
+            raise LayoutError(f"page starting at token index {first} is not aligned to page_size {page_size}")
+        if list(token_indices[start : start + page_size]) != list(range(first, first + page_size)):
+            raise LayoutError(f"page starting at token index {first} is not contiguous")
+        slots.append(first // page_size)
+    return slots

@@ -1,0 +1,1 @@
+"""Integrations with serving systems; they may import anything and build from the container."""

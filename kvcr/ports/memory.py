@@ -1,0 +1,52 @@
+"""HostMemory: DRAM that kvcr owns, and copies between addresses this process can touch.
+
+Call order: ``allocate`` once per arena at start-up (memory comes back zeroed and already
+faulted in, so the first backup does not pay page faults); ``copy`` per batch; ``free`` once at
+close, only after every copy that touches the allocation has returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """A block of host memory: its address, size and the label it was allocated under."""
+
+    address: int
+    nbytes: int
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Copy ``nbytes`` from address ``src`` to address ``dst``."""
+
+    dst: int
+    src: int
+    nbytes: int
+
+
+class HostMemory(Protocol):
+    def allocate(self, nbytes: int, label: str) -> Allocation:
+        """Reserve ``nbytes`` of zeroed, pre-faulted memory.
+
+        Raises:
+            RegistrationError: the memory could not be obtained.
+        """
+
+    def free(self, allocation: Allocation) -> None:
+        """Return an allocation; the caller guarantees nothing still touches it."""
+
+    def copy(self, moves: Sequence[Move]) -> None:
+        """Perform every move.
+
+        Raises:
+            MemoryCopyError: some move did not complete; destinations are undefined.
+        """
+
+    def read(self, address: int, nbytes: int) -> bytes:
+        """Return a copy of ``nbytes`` at ``address`` (for checksums and diagnostics)."""

@@ -1,0 +1,131 @@
+import hashlib
+import struct
+
+import pytest
+
+from kvcr.domain.errors import InvalidKeyError
+from kvcr.domain.keys import (
+    BlockKey,
+    NamespaceSpec,
+    PoolGeometry,
+    ShardIdentity,
+    check_page_hash,
+    i64_to_u64,
+    page_hash,
+    page_hashes,
+    router_id,
+    router_id_signed,
+    u64_to_i64,
+)
+
+
+def _reference(tokens, prior=None):
+    data = (bytes.fromhex(prior) if prior else b"") + struct.pack(f"<{len(tokens)}I", *tokens)
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_first_page_hash_is_sha256_of_little_endian_u32_tokens():
+    assert page_hash([1, 2, 3, 4]) == _reference([1, 2, 3, 4])
+    assert page_hash([1, 2, 3, 4]) != page_hash([4, 3, 2, 1])
+
+
+def test_pages_chain_through_the_prior_raw_digest():
+    tokens = list(range(100, 112))
+    hashes = page_hashes(tokens, 4)
+    assert len(hashes) == 3
+    assert hashes[0] == _reference(tokens[0:4])
+    assert hashes[1] == _reference(tokens[4:8], hashes[0])
+    assert hashes[2] == _reference(tokens[8:12], hashes[1])
+
+
+def test_partial_tail_page_is_dropped_and_prior_hash_continues_a_chain():
+    tokens = list(range(10))
+    full = page_hashes(tokens, 4)
+    assert len(full) == 2
+    assert page_hashes(tokens[4:8], 4, prior_hash=full[0]) == [full[1]]
+
+
+def test_wide_tokens_never_collide_with_narrow_encoding():
+    assert page_hash([1 << 32]) != page_hash([0, 1])
+    with pytest.raises(InvalidKeyError):
+        page_hash([-1])
+
+
+def test_router_identity_is_first_16_hex_chars_unsigned_and_signed():
+    h = "ff" * 8 + "00" * 24
+    assert router_id(h) == (1 << 64) - 1
+    assert router_id_signed(h) == -1
+    h2 = "7f" + "ff" * 7 + "ab" * 24
+    assert router_id(h2) == router_id_signed(h2) == (1 << 63) - 1
+
+
+@pytest.mark.parametrize("value", [0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1])
+def test_u64_i64_round_trip(value):
+    assert i64_to_u64(u64_to_i64(value)) == value
+
+
+@pytest.mark.parametrize("bad", [1 << 64, -1])
+def test_u64_out_of_range_is_rejected(bad):
+    with pytest.raises(InvalidKeyError):
+        u64_to_i64(bad)
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "A" * 64, "g" * 64, "0" * 63, "0" * 65, None, 123])
+def test_malformed_page_hashes_are_rejected(bad):
+    with pytest.raises(InvalidKeyError):
+        check_page_hash(bad)
+
+
+def test_block_key_round_trips_and_rejects_malformed_text():
+    key = BlockKey("ab" * 32, "0123456789abcdef", "kv")
+    assert str(key) == "ab" * 32 + "#0123456789abcdef#kv"
+    assert BlockKey.parse(str(key)) == key
+    for bad in ["ab" * 32, "ab" * 32 + "#0123#kv", "ab" * 32 + "#0123456789abcdef#", "x#y#z#w", "ab" * 32 + "#0123456789abcdef#k v"]:
+        with pytest.raises(InvalidKeyError):
+            BlockKey.parse(bad)
+
+
+def _spec(**changes):
+    base = dict(
+        model="llama",
+        page_size=64,
+        dtype="bfloat16",
+        layout="page_first",
+        pools=(PoolGeometry("kv", (1024, 1024)),),
+        shard=ShardIdentity(0, 2),
+        salt="",
+    )
+    base.update(changes)
+    return NamespaceSpec(**base)
+
+
+def test_namespace_digest_is_stable_and_sensitive_to_every_term():
+    digest = _spec().digest()
+    assert len(digest) == 16 and digest == _spec().digest()
+    variants = [
+        _spec(model="other"),
+        _spec(page_size=32),
+        _spec(dtype="float16"),
+        _spec(layout="page_first_direct"),
+        _spec(pools=(PoolGeometry("kv", (1024, 2048)),)),
+        _spec(shard=ShardIdentity(1, 2)),
+        _spec(salt="tenant-a"),
+    ]
+    assert len({v.digest() for v in variants} | {digest}) == len(variants) + 1
+
+
+def test_replicated_kv_shares_one_namespace_across_ranks():
+    a = _spec(shard=ShardIdentity(0, 4, replicated=True))
+    b = _spec(shard=ShardIdentity(3, 4, replicated=True))
+    assert a.digest() == b.digest()
+
+
+def test_pool_order_does_not_change_the_namespace():
+    one = _spec(pools=(PoolGeometry("kv", (8,)), PoolGeometry("indexer", (4,))))
+    two = _spec(pools=(PoolGeometry("indexer", (4,)), PoolGeometry("kv", (8,))))
+    assert one.digest() == two.digest()
+
+
+def test_bad_shard_identity_is_rejected():
+    with pytest.raises(InvalidKeyError):
+        ShardIdentity(2, 2)
