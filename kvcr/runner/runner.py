@@ -56,7 +56,7 @@ class _Entry:
 class _Pool:
     """A pool's arena, host regions, index and eviction order."""
 
-    __slots__ = ("arena", "entries", "host", "policy", "spec")
+    __slots__ = ("arena", "detached", "entries", "host", "policy", "spec")
 
     def __init__(self, spec: PoolSpec, arena: Arena | None, policy: EvictionPolicy) -> None:
         self.spec = spec
@@ -64,6 +64,7 @@ class _Pool:
         self.host: tuple[RegionDescriptor, ...] | None = None
         self.entries: dict[str, _Entry] = {}
         self.policy = policy
+        self.detached = 0  # DISCARDING pages already dropped from the index, still owning a slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +217,13 @@ class KvcrRunner:
                 elif page not in pending:
                     pending.add(page)
                     needed.append(i)
-            slots = self._reserve(state, len(needed), protect=page_hashes) if needed else []
+            # Refresh the prefix this batch extends before choosing victims, so a deeper batch
+            # never evicts the ancestors that make it restorable.
+            lineage = self._ancestors(state, parent)
+            held = [page for page in page_hashes if (e := entries.get(page)) is not None and e.state is _READY]
+            if lineage or held:
+                state.policy.touch([*lineage, *held])
+            slots = self._reserve(state, len(needed), protect=[*lineage, *page_hashes]) if needed else []
             for i, slot in zip(needed, slots, strict=False):
                 page = page_hashes[i]
                 entry = _Entry(slot, _FILLING, page_hashes[i - 1] if i else parent)
@@ -330,6 +337,7 @@ class KvcrRunner:
                         self._free_slot(state, entry)
                     else:
                         entry.state = check_transition(entry.state, _DISCARDING)
+                        state.detached += 1
                 state.entries = {}
                 state.policy = POLICIES[self.config.policy]()
             self._inventory.publish(InventoryEvent(InventoryKind.CLEARED))
@@ -353,7 +361,7 @@ class KvcrRunner:
                         free=arena.free_count if arena else 0,
                         ready=counts[_READY],
                         filling=counts[_FILLING],
-                        discarding=counts[_DISCARDING],
+                        discarding=counts[_DISCARDING] + state.detached,
                         claimed=claimed,
                         page_bytes=state.spec.page_bytes,
                     )
@@ -467,6 +475,8 @@ class KvcrRunner:
         return slots
 
     def _free_slot(self, state: _Pool, entry: _Entry) -> None:
+        if entry.state is _DISCARDING:
+            state.detached -= 1
         entry.state = check_transition(entry.state, _FREE)
         assert state.arena is not None
         state.arena.give_back(entry.slot)
@@ -520,22 +530,24 @@ class KvcrRunner:
 
     def _aligned(self, state: _Pool, pages: list[str]) -> list[str]:
         """``pages`` preceded by their resident ancestors, root first (prefix-recency alignment)."""
+        first = state.entries.get(pages[0])
+        lineage = self._ancestors(state, first.parent if first is not None else None, exclude=pages)
+        return [*lineage, *pages] if lineage else pages
+
+    def _ancestors(self, state: _Pool, parent: str | None, exclude: Sequence[str] = ()) -> list[str]:
+        """READY ancestors reached through parent links from ``parent``, root first."""
         entries = state.entries
-        ancestors: list[str] = []
-        first = entries.get(pages[0])
-        parent = first.parent if first is not None else None
-        seen = set(pages)
-        while parent is not None and len(ancestors) < self.config.max_alignment_depth and parent not in seen:
+        lineage: list[str] = []
+        seen = set(exclude)
+        while parent is not None and len(lineage) < self.config.max_alignment_depth and parent not in seen:
             entry = entries.get(parent)
             if entry is None or entry.state is not _READY:
                 break
-            ancestors.append(parent)
+            lineage.append(parent)
             seen.add(parent)
             parent = entry.parent
-        if not ancestors:
-            return pages
-        ancestors.reverse()
-        return [*ancestors, *pages]
+        lineage.reverse()
+        return lineage
 
 
 def _contiguous_runs(items: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:

@@ -1,0 +1,73 @@
+"""Shared test helpers: host pools in real memory, deterministic page contents, runner builders."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+
+from kvcr.domain.keys import page_hashes
+from kvcr.domain.layout import ComponentSpec, RegionDescriptor
+from kvcr.domain.pools import HitPolicy, PoolSpec
+from kvcr.runner import KvcrRunner, RunnerConfig, namespace_for
+
+
+class HostPool:
+    """An engine-style host pool: one dense region per component in one real buffer."""
+
+    def __init__(self, pool: PoolSpec, pages: int) -> None:
+        self.pool = pool
+        self.pages = pages
+        total = sum(c.piece_bytes for c in pool.components) * pages
+        self.buffer = ctypes.create_string_buffer(total)
+        base = ctypes.addressof(self.buffer)
+        self.regions = []
+        offset = 0
+        for c in pool.components:
+            self.regions.append(RegionDescriptor(f"test/{pool.name}/{c.label}", base + offset, c.piece_bytes, pages,
+                                                 c.piece_bytes))
+            offset += c.piece_bytes * pages
+
+    def write_page(self, slot: int, data: bytes) -> None:
+        pos = 0
+        for r in self.regions:
+            ctypes.memmove(r.address(slot), data[pos : pos + r.piece_bytes], r.piece_bytes)
+            pos += r.piece_bytes
+
+    def read_page(self, slot: int) -> bytes:
+        return b"".join(ctypes.string_at(r.address(slot), r.piece_bytes) for r in self.regions)
+
+    def zero_page(self, slot: int) -> None:
+        for r in self.regions:
+            ctypes.memset(r.address(slot), 0, r.piece_bytes)
+
+
+def content(page_hash: str, nbytes: int, salt: str = "") -> bytes:
+    """Deterministic bytes for a page (different for every page, pool and salt)."""
+    seed = hashlib.sha256((page_hash + salt).encode()).digest()
+    return (seed * (nbytes // len(seed) + 1))[:nbytes]
+
+
+def sequence(n_pages: int, page_size: int = 4, start: int = 0) -> list[str]:
+    return page_hashes(list(range(start, start + n_pages * page_size)), page_size)
+
+
+def kv_pool(piece: int = 256) -> PoolSpec:
+    return PoolSpec("kv", (ComponentSpec("k", piece), ComponentSpec("v", piece)), anchor=True)
+
+
+def indexer_pool(piece: int = 64) -> PoolSpec:
+    return PoolSpec("indexer", (ComponentSpec("i", piece),))
+
+
+def mamba_pool(piece: int = 64) -> PoolSpec:
+    return PoolSpec("mamba", (ComponentSpec("conv", piece), ComponentSpec("ssm", piece)), HitPolicy.TRAILING_PAGES)
+
+
+def runner_config(pools: tuple[PoolSpec, ...], slots: int, *, name: str = "r0", **changes: object) -> RunnerConfig:
+    dram = slots * sum(p.page_bytes for p in pools if p.physical)
+    return RunnerConfig(name, namespace_for("test-model", 4, "bf16", "page_first", pools), pools, dram, **changes)
+
+
+def make_runner(pools, slots, memory, clock, metrics, inventory, **changes) -> KvcrRunner:
+    return KvcrRunner(runner_config(tuple(pools), slots, **changes), memory=memory, clock=clock, metrics=metrics,
+                      inventory=inventory)
