@@ -23,8 +23,9 @@ class HostPool:
         self.regions = []
         offset = 0
         for c in pool.components:
-            self.regions.append(RegionDescriptor(f"test/{pool.name}/{c.label}", base + offset, c.piece_bytes, pages,
-                                                 c.piece_bytes))
+            self.regions.append(
+                RegionDescriptor(f"test/{pool.name}/{c.label}", base + offset, c.piece_bytes, pages, c.piece_bytes)
+            )
             offset += c.piece_bytes * pages
 
     def write_page(self, slot: int, data: bytes) -> None:
@@ -69,5 +70,6 @@ def runner_config(pools: tuple[PoolSpec, ...], slots: int, *, name: str = "r0", 
 
 
 def make_runner(pools, slots, memory, clock, metrics, inventory, **changes) -> KvcrRunner:
-    return KvcrRunner(runner_config(tuple(pools), slots, **changes), memory=memory, clock=clock, metrics=metrics,
-                      inventory=inventory)
+    return KvcrRunner(
+        runner_config(tuple(pools), slots, **changes), memory=memory, clock=clock, metrics=metrics, inventory=inventory
+    )

@@ -166,8 +166,7 @@ def coalesce(
     for src, src_index, dst, dst_index in pairs:
         if src.piece_bytes != dst.piece_bytes:
             raise LayoutError(
-                f"piece size mismatch: {src.label!r} has {src.piece_bytes} bytes, "
-                f"{dst.label!r} has {dst.piece_bytes}"
+                f"piece size mismatch: {src.label!r} has {src.piece_bytes} bytes, {dst.label!r} has {dst.piece_bytes}"
             )
         group = groups.setdefault((src.label, dst.label, src.piece_bytes), [])
         group.append((dst.offset(dst_index), src.offset(src_index)))

@@ -84,7 +84,5 @@ def namespace_for(
     **identity: object,
 ) -> NamespaceSpec:
     """A NamespaceSpec whose geometry is taken from ``pools`` (so the two cannot disagree)."""
-    geometry = tuple(
-        PoolGeometry(p.name, tuple(c.piece_bytes for c in p.components)) for p in pools if p.physical
-    )
+    geometry = tuple(PoolGeometry(p.name, tuple(c.piece_bytes for c in p.components)) for p in pools if p.physical)
     return NamespaceSpec(model, page_size, dtype, layout, geometry, **identity)  # type: ignore[arg-type]

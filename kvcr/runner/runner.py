@@ -152,9 +152,7 @@ class KvcrRunner:
         state = self._physical(pool)
         components = state.spec.components
         if len(regions) != len(components):
-            raise LayoutError(
-                f"pool {pool!r} has {len(components)} components, {len(regions)} host regions were given"
-            )
+            raise LayoutError(f"pool {pool!r} has {len(components)} components, {len(regions)} host regions were given")
         canonical = []
         for region, component in zip(regions, components, strict=True):
             if region.piece_bytes != component.piece_bytes:
@@ -163,8 +161,9 @@ class KvcrRunner:
                     f"bytes, the pool expects {component.piece_bytes}"
                 )
             canonical.append(
-                RegionDescriptor(host_label(pool, component.label), region.base, region.stride, region.count,
-                                 region.piece_bytes)
+                RegionDescriptor(
+                    host_label(pool, component.label), region.base, region.stride, region.count, region.piece_bytes
+                )
             )
         new = tuple(canonical)
         with self._lock:
@@ -306,9 +305,7 @@ class KvcrRunner:
         try:
             if claimed:
                 assert state.arena is not None
-                self._memory.copy(
-                    self._moves(host, state.arena.regions, [(host_slots[i], e.slot) for i, e in claimed])
-                )
+                self._memory.copy(self._moves(host, state.arena.regions, [(host_slots[i], e.slot) for i, e in claimed]))
             copied = True
         except MemoryCopyError as exc:
             log.warning("restore of %d pages of pool %s failed: %s", len(claimed), pool, exc)
@@ -422,9 +419,7 @@ class KvcrRunner:
         return host
 
     @staticmethod
-    def _check_batch(
-        page_hashes: Sequence[str], host_slots: Sequence[int], host: tuple[RegionDescriptor, ...]
-    ) -> None:
+    def _check_batch(page_hashes: Sequence[str], host_slots: Sequence[int], host: tuple[RegionDescriptor, ...]) -> None:
         if len(page_hashes) != len(host_slots):
             raise LayoutError(f"{len(page_hashes)} page hashes but {len(host_slots)} host slots")
         for page in page_hashes:

@@ -151,7 +151,10 @@ def test_close_keeps_memory_when_an_operation_never_ends():
 
     runner = KvcrRunner(
         runner_config((kv_pool(),), 4, budget=DeadlineBudget(0.05, 0.1)),
-        memory=memory, clock=MonotonicClock(), metrics=InMemoryMetrics(), inventory=RecordingInventory(),
+        memory=memory,
+        clock=MonotonicClock(),
+        metrics=InMemoryMetrics(),
+        inventory=RecordingInventory(),
     )
     del config
     host = HostPool(kv_pool(), 8)

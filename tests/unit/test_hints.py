@@ -100,14 +100,21 @@ def test_endpoints_parse_format_and_offset():
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(1 << 70), max_value=1 << 70) | st.floats() | st.text(max_size=12),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(1 << 70), max_value=1 << 70)
+    | st.floats()
+    | st.text(max_size=12),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=12,
 )
 endpoints = st.one_of(
     st.text(max_size=20),
-    st.builds(lambda h, p: f"tcp://{h}:{p}", st.sampled_from(["h", "0.0.0.0", "*", "[::1]", "a.b", ""]),
-              st.integers(-5, 70000)),
+    st.builds(
+        lambda h, p: f"tcp://{h}:{p}",
+        st.sampled_from(["h", "0.0.0.0", "*", "[::1]", "a.b", ""]),
+        st.integers(-5, 70000),
+    ),
     json_values,
 )
 payloads = st.fixed_dictionaries(

@@ -80,7 +80,13 @@ def test_block_key_round_trips_and_rejects_malformed_text():
     key = BlockKey("ab" * 32, "0123456789abcdef", "kv")
     assert str(key) == "ab" * 32 + "#0123456789abcdef#kv"
     assert BlockKey.parse(str(key)) == key
-    for bad in ["ab" * 32, "ab" * 32 + "#0123#kv", "ab" * 32 + "#0123456789abcdef#", "x#y#z#w", "ab" * 32 + "#0123456789abcdef#k v"]:
+    for bad in [
+        "ab" * 32,
+        "ab" * 32 + "#0123#kv",
+        "ab" * 32 + "#0123456789abcdef#",
+        "x#y#z#w",
+        "ab" * 32 + "#0123456789abcdef#k v",
+    ]:
         with pytest.raises(InvalidKeyError):
             BlockKey.parse(bad)
 

@@ -11,7 +11,11 @@ def test_slot_state_machine():
     assert check_transition(SlotState.FREE, SlotState.FILLING) is SlotState.FILLING
     assert check_transition(SlotState.FILLING, SlotState.READY) is SlotState.READY
     assert check_transition(SlotState.READY, SlotState.DISCARDING) is SlotState.DISCARDING
-    for bad in [(SlotState.FREE, SlotState.READY), (SlotState.READY, SlotState.FILLING), (SlotState.DISCARDING, SlotState.READY)]:
+    for bad in [
+        (SlotState.FREE, SlotState.READY),
+        (SlotState.READY, SlotState.FILLING),
+        (SlotState.DISCARDING, SlotState.READY),
+    ]:
         with pytest.raises(IllegalTransition):
             check_transition(*bad)
 

@@ -16,9 +16,7 @@ from kvcr.ports.errors import ControlTimeout, PeerUnavailable, TransportError
 
 
 class MockControlChannel:
-    def __init__(
-        self, fabric: MockFabric, endpoint: str, clock: Clock, faults: ControlFaults | None = None
-    ) -> None:
+    def __init__(self, fabric: MockFabric, endpoint: str, clock: Clock, faults: ControlFaults | None = None) -> None:
         self._fabric = fabric
         self._endpoint = endpoint
         self._clock = clock

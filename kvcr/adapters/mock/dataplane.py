@@ -89,8 +89,9 @@ class MockDataPlane:
         with self._fabric.lock:
             labels = sorted(node.regions)
             incarnation = node.incarnation
-        return json.dumps({"fabric": "mock", "name": self._name, "incarnation": incarnation,
-                           "regions": labels}).encode()
+        return json.dumps(
+            {"fabric": "mock", "name": self._name, "incarnation": incarnation, "regions": labels}
+        ).encode()
 
     def connect(self, description: bytes) -> str:
         self._check_open()
