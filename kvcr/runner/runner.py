@@ -208,18 +208,21 @@ class KvcrRunner:
             self._check_open()
             entries = state.entries
             needed: list[int] = []
+            held: list[str] = []
             pending: set[str] = set()
             for i, page in enumerate(page_hashes):
                 entry = entries.get(page)
                 if entry is not None:
                     results[i] = True  # READY, or FILLING by a caller storing the same bytes
+                    if entry.state is _READY:
+                        held.append(page)
                 elif page not in pending:
+                    check_page_hash(page)  # keys already in the index were checked on the way in
                     pending.add(page)
                     needed.append(i)
             # Refresh the prefix this batch extends before choosing victims, so a deeper batch
             # never evicts the ancestors that make it restorable.
             lineage = self._ancestors(state, parent)
-            held = [page for page in page_hashes if (e := entries.get(page)) is not None and e.state is _READY]
             if lineage or held:
                 state.policy.touch([*lineage, *held])
             slots = self._reserve(state, len(needed), protect=[*lineage, *page_hashes]) if needed else []
@@ -249,15 +252,17 @@ class KvcrRunner:
     def exists(self, pool: str, page_hashes: Sequence[str]) -> list[bool]:
         """Per page, whether it is READY in kvcr DRAM now."""
         state = self._physical(pool)
-        for page in page_hashes:
-            check_page_hash(page)
         with self._lock:
             self._check_open()
             entries = state.entries
             present = []
             for page in page_hashes:
                 entry = entries.get(page)
-                present.append(entry is not None and entry.state is _READY)
+                if entry is None:
+                    check_page_hash(page)  # a malformed key is an error, not a miss
+                    present.append(False)
+                else:
+                    present.append(entry.state is _READY)
         return present
 
     def query(self, pool: str, page_hashes: Sequence[str]) -> QueryResult:
@@ -292,6 +297,8 @@ class KvcrRunner:
             for i, page in enumerate(page_hashes):
                 entry = entries.get(page)
                 if entry is None or entry.state is not _READY:
+                    if entry is None:
+                        check_page_hash(page)
                     if prefix_only:
                         break
                     continue
@@ -422,12 +429,12 @@ class KvcrRunner:
     def _check_batch(page_hashes: Sequence[str], host_slots: Sequence[int], host: tuple[RegionDescriptor, ...]) -> None:
         if len(page_hashes) != len(host_slots):
             raise LayoutError(f"{len(page_hashes)} page hashes but {len(host_slots)} host slots")
-        for page in page_hashes:
-            check_page_hash(page)
+        if not host_slots:
+            return
         limit = host[0].count
-        for slot in host_slots:
-            if not 0 <= slot < limit:
-                raise LayoutError(f"host slot {slot} is outside the host pool's {limit} pages")
+        low, high = min(host_slots), max(host_slots)
+        if low < 0 or high >= limit:
+            raise LayoutError(f"host slot {low if low < 0 else high} is outside the host pool's {limit} pages")
 
     @staticmethod
     def _moves(
@@ -460,9 +467,13 @@ class KvcrRunner:
                 victims.append(page)
                 if len(victims) == short:
                     break
+        freed = []
         for page in victims:
             state.policy.remove(page)
-            self._free_slot(state, entries.pop(page))
+            entry = entries.pop(page)
+            entry.state = _FREE  # READY -> FREE, checked by the loop above
+            freed.append(entry.slot)
+        arena.give_back_many(freed)
         if victims:
             self._inventory.publish(InventoryEvent(InventoryKind.REMOVED, state.spec.name, tuple(victims)))
             self._metrics.increment("kvcr_evicted_pages_total", len(victims), {"pool": state.spec.name})

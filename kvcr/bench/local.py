@@ -1,0 +1,158 @@
+"""Local tier benchmark: backup and restore of N pages against a plain copy of the same bytes.
+
+For each page size the run allocates a host pool (2 components per page, like MHA K/V halves,
+with 2N pages) and a runner whose arena holds exactly N pages, then interleaves, per repetition:
+
+* memcpy   — one memmove per component of the same N pieces into a warm destination;
+* backup   — N fresh pages into kvcr DRAM (from the second repetition on, every backup also
+             evicts N pages, so this is the steady state of a full tier);
+* restore  — the same N pages back into other host slots;
+* query    — a query of those N keys (reported as a median time).
+
+Every restore is checked byte for byte once per page size. Ratios are p50 throughput of the kvcr
+path over p50 throughput of memcpy in the same run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from dataclasses import asdict, dataclass
+
+from kvcr.adapters.local import InMemoryMetrics, MmapHostMemory, MonotonicClock, NullInventory
+from kvcr.bench.stats import markdown_table, timing
+from kvcr.domain.keys import page_hashes
+from kvcr.domain.layout import ComponentSpec, RegionDescriptor
+from kvcr.domain.pools import PoolSpec
+from kvcr.domain.units import format_byte_size
+from kvcr.ports.memory import Move
+from kvcr.runner import KvcrRunner, RunnerConfig, namespace_for
+
+
+@dataclass(frozen=True, slots=True)
+class LocalResult:
+    page_bytes: int
+    pages: int
+    reps: int
+    memcpy_gbps: float
+    backup_gbps: float
+    restore_gbps: float
+    backup_ratio: float
+    restore_ratio: float
+    memcpy_p50_ms: float
+    backup_p50_ms: float
+    restore_p50_ms: float
+    query_p50_us: float
+    verified: bool
+
+
+def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
+    half = page_bytes // 2
+    pool = PoolSpec("kv", (ComponentSpec("k", half), ComponentSpec("v", page_bytes - half)), anchor=True)
+    config = RunnerConfig(
+        "bench", namespace_for("bench", 64, "bf16", "page_first", (pool,)), (pool,), dram_bytes=pages * page_bytes
+    )
+    memory = MmapHostMemory()
+    runner = KvcrRunner(
+        config, memory=memory, clock=MonotonicClock(), metrics=InMemoryMetrics(), inventory=NullInventory()
+    )
+    host_pages = 2 * pages
+    host = memory.allocate(host_pages * page_bytes, "bench/host")
+    baseline_dst = memory.allocate(pages * page_bytes, "bench/baseline")
+    try:
+        regions = []
+        offset = 0
+        for component in pool.components:
+            size = component.piece_bytes
+            regions.append(RegionDescriptor(component.label, host.address + offset, size, host_pages, size))
+            offset += size * host_pages
+        runner.register_host_pool("kv", regions)
+        ctypes.memmove(host.address, os.urandom(host.nbytes), host.nbytes)
+        src_slots = list(range(pages))
+        dst_slots = list(range(pages, 2 * pages))
+        baseline = []
+        dst_offset = 0
+        for r in regions:
+            n = r.piece_bytes * pages
+            baseline.append(Move(baseline_dst.address + dst_offset, r.base, n))
+            dst_offset += n
+
+        memcpy_s, backup_s, restore_s, query_s = [], [], [], []
+        verified = False
+        for rep in range(reps + 1):  # repetition 0 warms up and is not counted
+            keys = page_hashes(list(range(rep * pages * 4, (rep + 1) * pages * 4)), 4)
+            t0 = time.perf_counter()
+            memory.copy(baseline)
+            t1 = time.perf_counter()
+            stored = runner.backup("kv", keys, src_slots)
+            t2 = time.perf_counter()
+            outcomes = runner.restore("kv", keys, dst_slots)
+            t3 = time.perf_counter()
+            runner.query("kv", keys)
+            t4 = time.perf_counter()
+            if not all(stored) or not all(o.restored for o in outcomes):
+                raise RuntimeError("benchmark pages were not all stored and restored")
+            if not verified:
+                verified = all(
+                    ctypes.string_at(r.address(s), r.piece_bytes) == ctypes.string_at(r.address(d), r.piece_bytes)
+                    for r in regions
+                    for s, d in zip(src_slots, dst_slots, strict=True)
+                )
+                if not verified:
+                    raise RuntimeError("restored bytes differ from the backed-up bytes")
+            if rep:
+                memcpy_s.append(t1 - t0)
+                backup_s.append(t2 - t1)
+                restore_s.append(t3 - t2)
+                query_s.append(t4 - t3)
+        nbytes = pages * page_bytes
+        memcpy_t, backup_t, restore_t = timing(memcpy_s), timing(backup_s), timing(restore_s)
+        return LocalResult(
+            page_bytes=page_bytes,
+            pages=pages,
+            reps=reps,
+            memcpy_gbps=memcpy_t.gbps(nbytes),
+            backup_gbps=backup_t.gbps(nbytes),
+            restore_gbps=restore_t.gbps(nbytes),
+            backup_ratio=memcpy_t.p50 / backup_t.p50,
+            restore_ratio=memcpy_t.p50 / restore_t.p50,
+            memcpy_p50_ms=memcpy_t.p50 * 1e3,
+            backup_p50_ms=backup_t.p50 * 1e3,
+            restore_p50_ms=restore_t.p50 * 1e3,
+            query_p50_us=timing(query_s).p50 * 1e6,
+            verified=verified,
+        )
+    finally:
+        runner.close()
+        memory.free(host)
+        memory.free(baseline_dst)
+
+
+def local_table(results: list[LocalResult]) -> str:
+    rows = [
+        [
+            f"{format_byte_size(r.page_bytes)} x {r.pages}",
+            f"{r.memcpy_p50_ms:.2f} / {r.memcpy_gbps:.1f}",
+            f"{r.backup_p50_ms:.2f} / {r.backup_gbps:.1f}",
+            f"{r.restore_p50_ms:.2f} / {r.restore_gbps:.1f}",
+            f"{r.backup_ratio:.2f}x",
+            f"{r.restore_ratio:.2f}x",
+            f"{r.query_p50_us:.0f}",
+        ]
+        for r in results
+    ]
+    header = [
+        "pages",
+        "memcpy ms / GB/s",
+        "backup ms / GB/s",
+        "restore ms / GB/s",
+        "backup vs memcpy",
+        "restore vs memcpy",
+        f"query of {results[0].pages} keys, µs" if results else "query µs",
+    ]
+    return markdown_table(header, rows)
+
+
+def as_dict(result: LocalResult) -> dict[str, object]:
+    return asdict(result)

@@ -1,0 +1,64 @@
+"""The ``kvcr`` command: ``demo`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvcr.domain.units import parse_byte_size
+
+
+def _sizes(text: str) -> list[int]:
+    return [parse_byte_size(part, name="--page-sizes") for part in text.split(",") if part]
+
+
+def _bench_local(args: argparse.Namespace) -> int:
+    from kvcr.bench.local import as_dict, local_table, run_local
+
+    results = []
+    for size in _sizes(args.page_sizes):
+        results.append(run_local(size, args.pages, args.reps))
+        print(f"  measured {size} B pages", file=sys.stderr)
+    print(local_table(results))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([as_dict(r) for r in results], indent=2))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvcr.demo import run_demo
+
+    return run_demo(verbose=not args.quiet)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcr", description="KV-cache reuse runner")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="back up, query and restore pages through a real runner")
+    demo.add_argument("--quiet", action="store_true")
+    demo.set_defaults(func=_demo)
+
+    bench = commands.add_parser("bench", help="benchmarks (ratios against a baseline in the same run)")
+    which = bench.add_subparsers(dest="bench", required=True)
+    local = which.add_parser("local", help="local backup/restore vs memcpy of the same bytes")
+    local.add_argument("--page-sizes", default="64KiB,2MiB,8MiB")
+    local.add_argument("--pages", type=int, default=128)
+    local.add_argument("--reps", type=int, default=15)
+    local.add_argument("--json", default="bench-results/local.json")
+    local.set_defaults(func=_bench_local)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
