@@ -49,4 +49,7 @@ class HostMemory(Protocol):
         """
 
     def read(self, address: int, nbytes: int) -> bytes:
-        """Return a copy of ``nbytes`` at ``address`` (for checksums and diagnostics)."""
+        """Return a copy of ``nbytes`` at ``address`` (diagnostics)."""
+
+    def checksum(self, extents: Sequence[tuple[int, int]]) -> bytes:
+        """One digest over the bytes of every (address, nbytes) extent, in order, without copying."""

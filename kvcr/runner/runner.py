@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvcr.domain.errors import ClosedError, DeadlineExceeded, KvcrError, LayoutError
+from kvcr.domain.errors import ClosedError, DeadlineExceeded, InvalidKeyError, KvcrError, LayoutError
 from kvcr.domain.eviction import POLICIES, EvictionPolicy
 from kvcr.domain.keys import BlockKey, check_page_hash
 from kvcr.domain.layout import RegionDescriptor, check_disjoint, merge_runs
 from kvcr.domain.outcomes import RESTORED, PageOutcome, failed, miss
 from kvcr.domain.pools import PoolSpec
-from kvcr.domain.residency import SlotState, check_transition
+from kvcr.domain.residency import Lease, SlotState, check_transition
 from kvcr.ports.clock import Clock
 from kvcr.ports.errors import MemoryCopyError
 from kvcr.ports.inventory import InventoryEvent, InventoryKind, InventorySink
@@ -88,6 +90,21 @@ class RunnerStats:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    """What a source granted: a lease id, per requested key its slot (or -1), and the TTL."""
+
+    lease_id: int
+    slots: tuple[int, ...]
+    ttl_s: float
+
+
+@dataclass
+class _HeldLease:
+    lease: Lease
+    claims: list[tuple[_Pool, _Entry]]
+
+
+@dataclass(frozen=True, slots=True)
 class QueryResult:
     """Per-key presence and the leading run of present keys."""
 
@@ -117,6 +134,9 @@ class KvcrRunner:
         self._quiet = threading.Condition(self._lock)
         self._inflight = 0
         self._closed = False
+        self._leases: dict[int, _HeldLease] = {}
+        # Lease ids start at a random point so a restarted source never honours an old id.
+        self._next_lease = secrets.randbits(62) + 1
         policy_type = POLICIES[config.policy]
         slots = config.slots_per_pool()
         self._pools: dict[str, _Pool] = {}
@@ -138,6 +158,30 @@ class KvcrRunner:
     def arena_regions(self) -> tuple[RegionDescriptor, ...]:
         """Every arena region (what peers may read)."""
         return tuple(r for p in self._pools.values() if p.arena for r in p.arena.regions)
+
+    def pool_arenas(self) -> dict[str, tuple[RegionDescriptor, ...]]:
+        """Arena regions per physical pool, components in order."""
+        return {name: p.arena.regions for name, p in self._pools.items() if p.arena}
+
+    def pool_host_regions(self, pool: str) -> tuple[RegionDescriptor, ...]:
+        """The registered host regions of ``pool`` (LayoutError when none)."""
+        return self._host(self._physical(pool))
+
+    def checksums(self, block_keys: Sequence[str], slots: Sequence[int]) -> list[bytes]:
+        """Digests of leased pages (``slots`` as granted; -1 gives an empty digest)."""
+        digests = []
+        for text, slot in zip(block_keys, slots, strict=True):
+            if slot < 0:
+                digests.append(b"")
+                continue
+            regions = self._pools[BlockKey.parse(text).pool].arena.regions  # type: ignore[union-attr]
+            digests.append(self._memory.checksum([(r.address(slot), r.piece_bytes) for r in regions]))
+        return digests
+
+    def host_checksum(self, pool: str, host_slot: int) -> bytes:
+        """Digest of one host page across its components (to compare with a source checksum)."""
+        regions = self.pool_host_regions(pool)
+        return self._memory.checksum([(r.address(host_slot), r.piece_bytes) for r in regions])
 
     def host_regions(self) -> tuple[RegionDescriptor, ...]:
         """Every registered host region (where restores land)."""
@@ -331,6 +375,78 @@ class KvcrRunner:
         self._metrics.increment("kvcr_restore_misses_total", len(page_hashes) - len(claimed), labels)
         return outcomes
 
+    def lease(self, block_keys: Sequence[str], duration_s: float) -> LeaseGrant:
+        """Hold READY pages for a peer until the lease expires on our clock or is released.
+
+        Keys that are malformed, of another namespace, of an unknown or logical pool, or not
+        READY are reported as -1: from a peer they are misses, not errors. ``duration_s`` is
+        capped at the configured lease length.
+        """
+        duration = min(max(duration_s, 0.0), self.config.lease_s)
+        slots: list[int] = []
+        claims: list[tuple[_Pool, _Entry]] = []
+        with self._lock:
+            self._check_open()
+            now = self._clock.now()
+            self._expire_leases(now)
+            for text in block_keys:
+                entry = None
+                state = None
+                try:
+                    key = BlockKey.parse(text)
+                except InvalidKeyError:
+                    key = None
+                if key is not None and key.namespace == self.namespace:
+                    state = self._pools.get(key.pool)
+                    if state is not None and state.arena is not None:
+                        entry = state.entries.get(key.page_hash)
+                if state is None or entry is None or entry.state is not _READY:
+                    slots.append(-1)
+                    continue
+                entry.claims += 1
+                claims.append((state, entry))
+                slots.append(entry.slot)
+            lease_id = self._next_lease
+            self._next_lease += 1
+            if claims:
+                lease = Lease(lease_id, tuple(block_keys), now, now + duration)
+                self._leases[lease_id] = _HeldLease(lease, claims)
+        self._metrics.increment("kvcr_leases_granted_total")
+        self._metrics.increment("kvcr_lease_pages_total", len(claims))
+        return LeaseGrant(lease_id, tuple(slots), duration)
+
+    def renew_lease(self, lease_id: int, duration_s: float) -> float:
+        """Extend a live lease; returns the new TTL, or 0 when the lease is unknown or expired."""
+        duration = min(max(duration_s, 0.0), self.config.lease_s)
+        with self._lock:
+            now = self._clock.now()
+            self._expire_leases(now)
+            held = self._leases.get(lease_id)
+            if held is None:
+                return 0.0
+            held.lease = held.lease.renewed(now, duration)
+            return duration
+
+    def release_lease(self, lease_id: int) -> bool:
+        """End a lease early; False when it is unknown (released, expired or never granted)."""
+        with self._lock:
+            held = self._leases.pop(lease_id, None)
+            if held is None:
+                return False
+            self._drop_claims(held)
+            self._quiet.notify_all()
+        return True
+
+    def expire_leases(self) -> int:
+        """End every lease past its deadline on our clock; returns how many ended."""
+        with self._lock:
+            return self._expire_leases(self._clock.now())
+
+    @property
+    def active_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
     def clear(self) -> None:
         """Drop every page; slots still being read or filled are freed when that ends."""
         with self._lock:
@@ -372,8 +488,11 @@ class KvcrRunner:
                 )
         return RunnerStats(self.config.name, self.namespace, tuple(pools), dict(self._metrics.snapshot()))
 
-    def close(self) -> None:
-        """Wait for in-flight operations (up to the abandonment budget), then free the arenas.
+    def close(self, on_quiescent: Callable[[], None] | None = None) -> None:
+        """Wait for in-flight operations and leases, call ``on_quiescent``, then free the arenas.
+
+        ``on_quiescent`` is where a data plane deregisters the arenas: after nothing can touch
+        them, before their memory goes back.
 
         Raises:
             KvcrError: operations still touch kvcr memory after the budget; memory is kept.
@@ -382,16 +501,44 @@ class KvcrRunner:
             if self._closed:
                 return
             self._closed = True
-            give_up = self._clock.now() + self.config.budget.abandon_s
-            while self._inflight and self._clock.now() < give_up:
-                self._quiet.wait(timeout=0.05)
-            if self._inflight:
-                raise KvcrError(f"close: {self._inflight} operations still touch kvcr memory; memory kept")
+            # A peer may be reading leased slots right now: wait for leases to end too.
+            now = self._clock.now()
+            wait_s = self.config.budget.abandon_s
+            for held in self._leases.values():
+                wait_s = max(wait_s, held.lease.expires_at - now)
+            # Bounded in real time too, so an injected clock that never moves cannot hang close().
+            give_up = time.monotonic() + wait_s
+            while (self._inflight or self._leases) and time.monotonic() < give_up:
+                self._expire_leases(self._clock.now())
+                if self._inflight or self._leases:
+                    self._quiet.wait(timeout=0.05)
+            if self._inflight or self._leases:
+                raise KvcrError(
+                    f"close: {self._inflight} operations and {len(self._leases)} leases still touch kvcr "
+                    "memory; memory kept"
+                )
             for state in self._pools.values():
                 state.entries = {}
+        if on_quiescent is not None:
+            on_quiescent()
         self._release_arenas()
 
     # ------------------------------------------------------------------ internals
+
+    def _expire_leases(self, now: float) -> int:
+        expired = [lid for lid, held in self._leases.items() if held.lease.expired(now)]
+        for lease_id in expired:
+            self._drop_claims(self._leases.pop(lease_id))
+        if expired:
+            self._metrics.increment("kvcr_leases_expired_total", len(expired))
+            self._quiet.notify_all()
+        return len(expired)
+
+    def _drop_claims(self, held: _HeldLease) -> None:
+        for state, entry in held.claims:
+            entry.claims -= 1
+            if entry.claims == 0 and entry.state is _DISCARDING:
+                self._free_slot(state, entry)
 
     def _release_arenas(self) -> None:
         for state in self._pools.values():
@@ -458,6 +605,7 @@ class KvcrRunner:
         short = count - len(slots)
         if short <= 0:
             return slots
+        self._expire_leases(self._clock.now())  # expired leases must not pin pages
         protected = set(protect)
         entries = state.entries
         victims: list[str] = []

@@ -8,6 +8,7 @@ pay that on the serving path.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import mmap
 import threading
 from collections.abc import Sequence
@@ -62,6 +63,12 @@ class MmapHostMemory:
 
     def read(self, address: int, nbytes: int) -> bytes:
         return ctypes.string_at(address, nbytes)
+
+    def checksum(self, extents: Sequence[tuple[int, int]]) -> bytes:
+        digest = hashlib.blake2b(digest_size=16)
+        for address, nbytes in extents:
+            digest.update((ctypes.c_char * nbytes).from_address(address))
+        return digest.digest()
 
     def close(self) -> None:
         """Free every allocation still held (for tests and process teardown)."""

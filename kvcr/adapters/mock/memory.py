@@ -7,6 +7,7 @@ leaves destinations half-written exactly as a real failure would.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -46,6 +47,12 @@ class MockHostMemory:
 
     def read(self, address: int, nbytes: int) -> bytes:
         return ctypes.string_at(address, nbytes)
+
+    def checksum(self, extents: Sequence[tuple[int, int]]) -> bytes:
+        digest = hashlib.blake2b(digest_size=16)
+        for address, nbytes in extents:
+            digest.update((ctypes.c_char * nbytes).from_address(address))
+        return digest.digest()
 
     @property
     def live_allocations(self) -> int:
