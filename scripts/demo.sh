@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The README's demo command: install, then run `kvcr demo`.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$REPO/scripts/install.sh"
+exec "${KVCR_VENV:-$REPO/.venv}/bin/kvcr" demo "$@"

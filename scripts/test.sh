@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The README's test command: install everything (scripts/install.sh), then lint, type-check,
+# check the import contracts and run the whole test suite, real NIXL, SGLang and Dynamo included.
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh -m "not multiprocess" -x`).
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+bash scripts/install.sh
+BIN="${KVCR_VENV:-$REPO/.venv}/bin"
+export SGLANG_CACHE_DIR="$REPO/.cache/sglang" TORCH_EXTENSIONS_DIR="$REPO/.cache/torch_extensions"
+export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
+step() { printf '\n== %s\n' "$*"; }
+step "ruff";          "$BIN/ruff" check . && "$BIN/ruff" format --check .
+step "mypy --strict"; "$BIN/mypy"
+step "import-linter"; "$BIN/lint-imports"
+step "pytest";        "$BIN/python" -m pytest "$@"
