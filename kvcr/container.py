@@ -1,10 +1,10 @@
 """The composition root: the only module that knows which adapter implements which port.
 
-Build a runner with::
+Build a runner (local tier only) or a node (runner + peer server and client) with::
 
-    container = Container()
-    container.config.from_dict({"runner": RunnerConfig(...), "memory": "mmap", "inventory": "none"})
+    container = build_container(RunnerConfig(...), transport="nixl", control="zmq", node=NodeSettings(...))
     runner = container.runner()
+    node = container.node()
 
 Tests swap an adapter with ``container.memory.override(...)``. Adapter modules are imported by
 the build functions below, only when their provider is first used.
@@ -17,10 +17,14 @@ from typing import TYPE_CHECKING
 from dependency_injector import containers, providers
 
 from kvcr.runner.config import RunnerConfig
+from kvcr.runner.node import NodeSettings, RunnerNode
 from kvcr.runner.runner import KvcrRunner
 
 if TYPE_CHECKING:
+    from kvcr.adapters.mock import MockFabric
     from kvcr.ports.clock import Clock
+    from kvcr.ports.control import ControlChannel
+    from kvcr.ports.dataplane import DataPlane
     from kvcr.ports.inventory import InventorySink
     from kvcr.ports.memory import HostMemory
     from kvcr.ports.metrics import Metrics
@@ -68,6 +72,51 @@ def _recording_inventory() -> InventorySink:
     return RecordingInventory()
 
 
+def _mock_fabric() -> MockFabric:
+    from kvcr.adapters.mock import MockFabric
+
+    return MockFabric()
+
+
+def _mock_data_plane(fabric: MockFabric, config: RunnerConfig, clock: Clock) -> DataPlane:
+    from kvcr.adapters.mock import MockDataPlane
+
+    return MockDataPlane(fabric, config.name, clock)
+
+
+def _nixl_data_plane(config: RunnerConfig) -> DataPlane:
+    from kvcr.adapters.nixl import NixlDataPlane
+
+    return NixlDataPlane(config.name)
+
+
+def _mock_control(fabric: MockFabric, settings: NodeSettings, clock: Clock) -> ControlChannel:
+    from kvcr.adapters.mock import MockControlChannel
+
+    return MockControlChannel(fabric, settings.endpoint, clock)
+
+
+def _zmq_control(settings: NodeSettings) -> ControlChannel:
+    from kvcr.adapters.zmq import ZmqControlChannel
+
+    return ZmqControlChannel(settings.control_host, settings.control_port, advertise_host=settings.advertise_host)
+
+
+def _node(
+    runner: KvcrRunner,
+    data_plane: DataPlane,
+    control: ControlChannel,
+    settings: NodeSettings,
+    clock: Clock,
+    metrics: Metrics,
+) -> RunnerNode:
+    if not isinstance(settings, NodeSettings):
+        raise TypeError(f"config.node must be a NodeSettings, got {type(settings).__name__}")
+    return RunnerNode(
+        runner, data_plane, control, token=settings.token, clock=clock, metrics=metrics, settings=settings.peer
+    )
+
+
 def _runner(
     config: RunnerConfig, memory: HostMemory, clock: Clock, metrics: Metrics, inventory: InventorySink
 ) -> KvcrRunner:
@@ -105,13 +154,37 @@ class Container(containers.DeclarativeContainer):
         metrics=metrics,
         inventory=inventory,
     )
+    fabric = providers.Singleton(_mock_fabric)
+    data_plane = providers.Selector(
+        config.transport,
+        mock=providers.Singleton(_mock_data_plane, fabric, config.runner, clock),
+        nixl=providers.Singleton(_nixl_data_plane, config.runner),
+    )
+    control = providers.Selector(
+        config.control,
+        mock=providers.Singleton(_mock_control, fabric, config.node, clock),
+        zmq=providers.Singleton(_zmq_control, config.node),
+    )
+    node = providers.Singleton(
+        _node,
+        runner=runner,
+        data_plane=data_plane,
+        control=control,
+        settings=config.node,
+        clock=clock,
+        metrics=metrics,
+    )
 
 
-DEFAULTS = {"memory": "mmap", "clock": "monotonic", "inventory": "none"}
+DEFAULTS = {"memory": "mmap", "clock": "monotonic", "inventory": "none", "transport": "nixl", "control": "zmq"}
 
 
-def build_container(runner_config: RunnerConfig, **choices: str) -> Container:
-    """A container for ``runner_config`` with adapter choices (memory, clock, inventory) applied."""
+def build_container(runner_config: RunnerConfig, *, node: NodeSettings | None = None, **choices: str) -> Container:
+    """A container for ``runner_config``; ``choices`` pick adapters (memory, clock, inventory,
+    transport, control); ``node`` is needed only to build a node."""
     container = Container()
-    container.config.from_dict({**DEFAULTS, **choices, "runner": runner_config})
+    values: dict[str, object] = {**DEFAULTS, **choices, "runner": runner_config}
+    if node is not None:
+        values["node"] = node
+    container.config.from_dict(values)
     return container

@@ -11,7 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from kvcr.domain.errors import ConfigError
+from kvcr.domain.hints import Endpoint
 from kvcr.domain.layout import RegionDescriptor
 from kvcr.ports.clock import Clock
 from kvcr.ports.control import ControlChannel
@@ -24,6 +27,32 @@ from kvcr.runner.protocol import Codec
 from kvcr.runner.runner import KvcrRunner
 
 log = logging.getLogger(__name__)
+
+_WILDCARD = frozenset({"*", "0.0.0.0", "::", ""})
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSettings:
+    """Where this node's control server binds and how peers reach it; the cluster token."""
+
+    control_host: str
+    control_port: int
+    advertise_host: str | None = None
+    token: bytes | None = None
+    peer: PeerSettings = field(default_factory=PeerSettings)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.control_port < 65536:
+            raise ConfigError(f"control_port must be in 1..65535, got {self.control_port}")
+        if (self.advertise_host or self.control_host) in _WILDCARD:
+            raise ConfigError(
+                f"control_advertise_host must be a dialable address when control_host is {self.control_host!r}"
+            )
+
+    @property
+    def endpoint(self) -> str:
+        """What peers dial (``tcp://advertise:port``)."""
+        return str(Endpoint(self.advertise_host or self.control_host, self.control_port))
 
 
 class RunnerNode:

@@ -174,7 +174,9 @@ class KvcrRunner:
             if slot < 0:
                 digests.append(b"")
                 continue
-            regions = self._pools[BlockKey.parse(text).pool].arena.regions  # type: ignore[union-attr]
+            arena = self._pools[BlockKey.parse(text).pool].arena
+            assert arena is not None  # a granted slot belongs to a physical pool
+            regions = arena.regions
             digests.append(self._memory.checksum([(r.address(slot), r.piece_bytes) for r in regions]))
         return digests
 
@@ -243,6 +245,40 @@ class KvcrRunner:
         state = self._physical(pool)
         host = self._host(state)
         self._check_batch(page_hashes, host_slots, host)
+        arena = state.arena
+        assert arena is not None
+        return self._backup(
+            state,
+            page_hashes,
+            lambda fills: self._moves(arena.regions, host, [(e.slot, host_slots[i]) for i, e in fills]),
+            parent,
+        )
+
+    def store_page(self, pool: str, page_hash: str, sources: Sequence[int]) -> bool:
+        """Back up one page from arbitrary addresses, one per component (SGLang's copy path)."""
+        state = self._physical(pool)
+        arena = state.arena
+        assert arena is not None
+        if len(sources) != len(arena.regions):
+            raise LayoutError(f"pool {pool!r} has {len(arena.regions)} components, {len(sources)} sources given")
+        return self._backup(
+            state,
+            [page_hash],
+            lambda fills: [
+                Move(r.address(e.slot), src, r.piece_bytes)
+                for _, e in fills
+                for r, src in zip(arena.regions, sources, strict=True)
+            ],
+            None,
+        )[0]
+
+    def _backup(
+        self,
+        state: _Pool,
+        page_hashes: Sequence[str],
+        plan: Callable[[list[tuple[int, _Entry]]], list[Move]],
+        parent: str | None,
+    ) -> list[bool]:
         if parent is not None:
             check_page_hash(parent)
         deadline = self._clock.now() + self.config.budget.operation_s
@@ -279,13 +315,10 @@ class KvcrRunner:
         copied = False
         try:
             if fills:
-                assert state.arena is not None
-                self._memory.copy(
-                    self._moves(state.arena.regions, host, [(e.slot, host_slots[i]) for i, _, e in fills])
-                )
+                self._memory.copy(plan([(i, e) for i, _, e in fills]))
             copied = True
         except MemoryCopyError as exc:
-            log.warning("backup of %d pages of pool %s failed: %s", len(fills), pool, exc)
+            log.warning("backup of %d pages of pool %s failed: %s", len(fills), state.spec.name, exc)
         finally:
             with self._lock:
                 self._finish_backup(state, fills, copied, results, page_hashes, parent)
@@ -331,6 +364,42 @@ class KvcrRunner:
         state = self._physical(pool)
         host = self._host(state)
         self._check_batch(page_hashes, host_slots, host)
+        arena = state.arena
+        assert arena is not None
+        return self._restore(
+            state,
+            page_hashes,
+            lambda claimed: self._moves(host, arena.regions, [(host_slots[i], e.slot) for i, e in claimed]),
+            prefix_only,
+        )
+
+    def load_page(self, pool: str, page_hash: str, destinations: Sequence[int]) -> bool:
+        """Restore one page to arbitrary addresses, one per component (SGLang's copy path)."""
+        state = self._physical(pool)
+        arena = state.arena
+        assert arena is not None
+        if len(destinations) != len(arena.regions):
+            raise LayoutError(
+                f"pool {pool!r} has {len(arena.regions)} components, {len(destinations)} destinations given"
+            )
+        return self._restore(
+            state,
+            [page_hash],
+            lambda claimed: [
+                Move(dst, r.address(e.slot), r.piece_bytes)
+                for _, e in claimed
+                for r, dst in zip(arena.regions, destinations, strict=True)
+            ],
+            False,
+        )[0].restored
+
+    def _restore(
+        self,
+        state: _Pool,
+        page_hashes: Sequence[str],
+        plan: Callable[[list[tuple[int, _Entry]]], list[Move]],
+        prefix_only: bool,
+    ) -> list[PageOutcome]:
         deadline = self._clock.now() + self.config.budget.operation_s
         outcomes: list[PageOutcome] = [_NOT_HELD] * len(page_hashes)
         claimed: list[tuple[int, _Entry]] = []
@@ -355,11 +424,10 @@ class KvcrRunner:
         copied = False
         try:
             if claimed:
-                assert state.arena is not None
-                self._memory.copy(self._moves(host, state.arena.regions, [(host_slots[i], e.slot) for i, e in claimed]))
+                self._memory.copy(plan(claimed))
             copied = True
         except MemoryCopyError as exc:
-            log.warning("restore of %d pages of pool %s failed: %s", len(claimed), pool, exc)
+            log.warning("restore of %d pages of pool %s failed: %s", len(claimed), state.spec.name, exc)
         finally:
             with self._lock:
                 outcome = RESTORED if copied else failed("local copy failed")
@@ -370,7 +438,7 @@ class KvcrRunner:
                         self._free_slot(state, entry)
                 self._inflight -= 1
                 self._quiet.notify_all()
-        labels = {"pool": pool, "source": "local"}
+        labels = {"pool": state.spec.name, "source": "local"}
         self._metrics.increment("kvcr_restore_pages_total", len(claimed) if copied else 0, labels)
         self._metrics.increment("kvcr_restore_misses_total", len(page_hashes) - len(claimed), labels)
         return outcomes

@@ -200,3 +200,19 @@ def test_tiny_arenas_still_round_trip(build, slots):
     fill(hosts["kv"], pages, range(slots))
     assert all(runner.backup("kv", pages, list(range(slots))))
     assert all(o.restored for o in runner.restore("kv", pages, list(range(10, 10 + slots))))
+
+
+def test_flat_page_copy_path_round_trips_through_arbitrary_addresses(build):
+    import ctypes
+
+    runner, _ = build(slots=4)
+    page = sequence(1)[0]
+    data = content(page, 512)
+    src = ctypes.create_string_buffer(data, 512)
+    dst = ctypes.create_string_buffer(512)
+    base_src, base_dst = ctypes.addressof(src), ctypes.addressof(dst)
+    assert runner.store_page("kv", page, [base_src, base_src + 256])
+    assert runner.query("kv", [page]).prefix == 1
+    assert runner.load_page("kv", page, [base_dst, base_dst + 256])
+    assert dst.raw == data
+    assert not runner.load_page("kv", sequence(1, start=77)[0], [base_dst, base_dst + 256])

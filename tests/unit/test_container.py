@@ -47,3 +47,40 @@ def test_strict_config_refuses_missing_keys_and_wrong_types():
     bad.config.runner.from_value({"name": "not a RunnerConfig"})
     with pytest.raises(TypeError, match="RunnerConfig"):
         bad.runner()
+
+
+def test_two_nodes_on_one_mock_fabric_restore_through_the_container():
+    from kvcr.domain.outcomes import Outcome
+    from kvcr.runner.node import NodeSettings
+    from kvcr.runner.peer_client import PoolRead
+    from tests.support import HostPool, content, sequence
+
+    pool = kv_pool()
+    choices = dict(memory="mock", transport="mock", control="mock")
+    a = build_container(runner_config((pool,), 8, name="A"), node=NodeSettings("127.0.0.1", 7000), **choices)
+    b = build_container(runner_config((pool,), 8, name="B"), node=NodeSettings("127.0.0.1", 7100), **choices)
+    b.fabric.override(a.fabric())
+    node_a, node_b = a.node(), b.node()
+    host_a, host_b = HostPool(pool, 8), HostPool(pool, 8)
+    node_a.register_host_pool("kv", host_a.regions)
+    node_b.register_host_pool("kv", host_b.regions)
+    pages = sequence(3)
+    for i, page in enumerate(pages):
+        host_a.write_page(i, content(page, pool.page_bytes))
+    assert all(node_a.runner.backup("kv", pages, [0, 1, 2]))
+    result = node_b.client.restore(node_a.endpoint, [PoolRead("kv", pages, [5, 6, 7])])
+    assert [o.outcome for o in result["kv"]] == [Outcome.RESTORED] * 3
+    assert host_b.read_page(7) == content(pages[2], pool.page_bytes)
+    node_a.close()
+    node_b.close()
+
+
+def test_node_settings_refuse_undialable_endpoints():
+    from kvcr.domain.errors import ConfigError
+    from kvcr.runner.node import NodeSettings
+
+    with pytest.raises(ConfigError, match="control_port"):
+        NodeSettings("127.0.0.1", 0)
+    with pytest.raises(ConfigError, match="control_advertise_host"):
+        NodeSettings("0.0.0.0", 5000)
+    assert NodeSettings("0.0.0.0", 5000, advertise_host="10.1.2.3").endpoint == "tcp://10.1.2.3:5000"
