@@ -1,0 +1,208 @@
+"""Builders for SGLang's real host pools, storage configs and controller on CPU."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.common import make_kernel_ptr_table
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_hash_str
+
+P, L, H, D, MLA_DIM = 16, 4, 2, 8, 12
+_ports = itertools.count(43100, 20)
+
+
+def free_port() -> int:
+    return next(_ports)
+
+
+def mha_host(layout: str, device_tokens: int = 128) -> Any:
+    k = tuple(torch.zeros(device_tokens + P, H, D, dtype=torch.bfloat16) for _ in range(L))
+    v = tuple(torch.zeros(device_tokens + P, H, D, dtype=torch.bfloat16) for _ in range(L))
+    info = MHABufferInfo(
+        buffers=KVBuffers(
+            k=k,
+            v=v,
+            k_data_ptrs=make_kernel_ptr_table(list(k), "cpu", host_memory_registered=False),
+            v_data_ptrs=make_kernel_ptr_table(list(v), "cpu", host_memory_registered=False),
+            layout=KVBufferLayout.NHD,
+        ),
+        page_size=P,
+        head_num=H,
+        head_dim=D,
+        v_head_dim=D,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    return MHATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        P,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device_tokens,
+        start_layer=0,
+        end_layer=L,
+    )
+
+
+def mla_host(layout: str, device_tokens: int = 128) -> Any:
+    bufs = tuple(torch.zeros(device_tokens + P, 1, MLA_DIM, dtype=torch.bfloat16) for _ in range(L))
+    info = MLABufferInfo(
+        buffers=bufs,
+        data_ptrs=make_kernel_ptr_table(list(bufs), "cpu", host_memory_registered=False),
+        layer_indices=tuple(range(L)),
+        device_layer_num=L,
+        page_size=P,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        kv_cache_dim=MLA_DIM,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    return MLATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        P,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device_tokens,
+        start_layer=0,
+        end_layer=L,
+        target_layer_num=L,
+    )
+
+
+def extra_config(**settings: Any) -> dict[str, Any]:
+    base = {
+        "backend_name": "kvcr",
+        "module_path": "kvcr.integrations.sglang",
+        "class_name": "KvcrHiCacheStorage",
+        "interface_v1": 1,
+        "transport": "mock",
+        "dram_bytes": "4MiB",
+        "control_port": 0,
+    }
+    base.update(settings)
+    return base
+
+
+def storage_config(
+    *,
+    mla: bool = False,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    dp_rank: int = 0,
+    pp_size: int = 1,
+    split_heads: bool = False,
+    model: str = "test-model",
+    **settings: Any,
+) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=pp_size,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name=model,
+        should_split_heads=split_heads,
+        dp_rank=dp_rank,
+        extra_config=extra_config(**settings),
+    )
+
+
+def backend(host: Any, config: HiCacheStorageConfig) -> Any:
+    """Create the backend the way SGLang does: factory, dynamic route, then registration."""
+    store = StorageBackendFactory.create_backend("dynamic", config, host)
+    store.register_mem_pool_host(host)
+    store.register_mem_host_pool_v2(host, "kv")
+    store.on_host_pools_registered()
+    return store
+
+
+def fill(host: Any, indices: torch.Tensor, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for start in range(0, len(indices), P):
+        page = host.get_data_page(int(indices[start]), flat=True)
+        host.set_from_flat_data_page(int(indices[start]), torch.randn(page.shape, generator=gen).to(page.dtype))
+
+
+def pages_equal(host_a: Any, idx_a: torch.Tensor, host_b: Any, idx_b: torch.Tensor) -> bool:
+    return all(
+        torch.equal(host_a.get_data_page(int(idx_a[i]), flat=True), host_b.get_data_page(int(idx_b[i]), flat=True))
+        for i in range(0, len(idx_a), P)
+    )
+
+
+def hashes(n_pages: int, start: int = 0) -> list[str]:
+    return get_hash_str(list(range(start, start + n_pages * P)), None, page_size=P)
+
+
+class FakeDevicePool:
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.layer_num = L
+        self.counter = None
+
+    def register_layer_transfer_counter(self, counter: Any) -> None:
+        self.counter = counter
+
+
+class FakeAllocator:
+    """The four members SGLang's cache controller touches on the device side."""
+
+    def __init__(self) -> None:
+        self.pool = FakeDevicePool()
+
+    def get_kvcache(self) -> FakeDevicePool:
+        return self.pool
+
+    def set_hicache_transfer_done_event(self, *args: Any) -> None:
+        pass
+
+
+def controller(host: Any, **settings: Any) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+
+    alloc = FakeAllocator()
+    group = HostPoolGroup(
+        [
+            PoolEntry(
+                name=PoolName.KV,
+                host_pool=host,
+                device_pool=alloc.pool,
+                layer_mapper=lambda i: i,
+                is_primary_index_anchor=True,
+            )
+        ]
+    )
+    ctrl = HybridCacheController(
+        token_to_kv_pool_allocator=alloc,
+        mem_pool_host=group,
+        page_size=P,
+        tp_group=None,
+        load_cache_event=threading.Event(),
+        io_backend="direct",
+        storage_backend="dynamic",
+        prefetch_threshold=P,
+        model_name="test-model",
+        storage_backend_extra_config=extra_config(**settings),
+    )
+    return ctrl, group
