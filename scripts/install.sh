@@ -124,6 +124,7 @@ log "resolved packages"
 "${PIPC[@]}" \
     numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq \
     tqdm IPython aiohttp transformers dill apache-tvm-ffi sentencepiece compressed-tensors gguf \
+    setproctitle openai partial-json-parser einops uvicorn fastapi \
     ai-dynamo-runtime setuptools \
     msgpack dependency-injector \
     pytest pytest-mock pytest-timeout hypothesis ruff mypy import-linter

@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ from kvcr.domain.hints import Endpoint, FetchHint, parse_hint
 from kvcr.domain.keys import ShardIdentity, router_id
 from kvcr.domain.outcomes import Outcome, PageOutcome
 from kvcr.domain.pools import HitPolicy
+from kvcr.integrations.sglang import hints_bridge
 from kvcr.integrations.sglang.pools import DescribedPool, describe_host_pool, host_slots
 from kvcr.integrations.sglang.settings import KvcrSettings, parse_settings
 from kvcr.runner.config import RunnerConfig, namespace_for
@@ -170,7 +172,9 @@ class KvcrHiCacheStorage(HiCacheStorage):
             shard = ShardIdentity(replicated=True) if self.replicated else ShardIdentity(config.tp_rank, config.tp_size)
             s = self.settings
             runner_config = RunnerConfig(
-                name=f"kvcr-{socket.gethostname()}-{os.getpid()}-dp{config.dp_rank}-r{self.rank_offset}",
+                # NIXL agent names must be unique across the cluster (and across backends in one process).
+                name=f"kvcr-{socket.gethostname()}-{os.getpid()}-dp{config.dp_rank}-r{self.rank_offset}-"
+                f"{uuid.uuid4().hex[:8]}",
                 namespace=namespace_for(
                     config.model_name or "unknown", anchor.page_size, anchor.dtype, anchor.layout, pools, shard=shard
                 ),
@@ -242,6 +246,8 @@ class KvcrHiCacheStorage(HiCacheStorage):
                     if key == "kvcr_router_hint":
                         raw = {key: raw}
                     break
+        if raw is None:
+            raw = hints_bridge.current()  # forwarded by kvcr's SGLang plugin
         if raw is None:
             return None
         if not isinstance(raw, (Mapping, str, bytes, bytearray)):

@@ -1,0 +1,89 @@
+"""Run in a fresh process by test_plugin.py: SGLang's real load_plugins() finds kvcr's entry point,
+and a hint set on a request reaches the backend through the real cache controller."""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+import tests.integration.sglang.conftest  # noqa: F401  (cache dirs, torchvision stub)
+
+
+def main() -> None:
+    from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+    from sglang.srt.mem_cache.utils import get_hash_str
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import get_parallel
+
+    from kvcr.domain.keys import router_id
+    from kvcr.integrations.sglang import KvcrHiCacheStorage
+    from tests.integration.sglang import sg
+
+    get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    use_plugin = sys.argv[1] == "with-plugin"
+    if use_plugin:
+        load_plugins()
+
+    # Replica A holds the prefix in its kvcr DRAM.
+    port_a, port_b = 47400, 47420
+    host_a = sg.mha_host("page_first")
+    a = KvcrHiCacheStorage(sg.storage_config(control_port=port_a), {})
+    a.register_mem_pool_host(host_a)
+    a.register_mem_host_pool_v2(host_a, "kv")
+    a.on_host_pools_registered()
+    tokens = list(range(900, 900 + 4 * sg.P))
+    keys = get_hash_str(tokens, None, page_size=sg.P)
+    src = host_a.alloc(4 * sg.P)
+    sg.fill(host_a, src, seed=41)
+    assert a.batch_set_v1(keys, src) == [True] * 4
+
+    # Replica B: SGLang's real controller with kvcr as its storage backend, hints enabled.
+    host_b = sg.mha_host("page_first")
+    ctrl, _ = sg.controller(host_b, control_port=port_b, enable_remote_hint=True)
+    envelope = {
+        "protocol_version": "0.1",
+        "message_id": "req-7",
+        "actions": [
+            {
+                "action_id": "a1",
+                "action_type": "kv.fetch",
+                "action_version": "1.0",
+                "payload": {
+                    "source_control_endpoint": f"tcp://127.0.0.1:{port_a}",
+                    "block_hashes": [router_id(k) for k in keys],
+                },
+            }
+        ],
+    }
+    req = SimpleNamespace(rid="req-7", kv_hints=decode_kv_hints_envelope(envelope))
+    # The scheduler's entry point to storage prefetch (storage disabled on this stub: the hook
+    # sees the request, the body returns at once).
+    Scheduler._prefetch_kvcache(SimpleNamespace(enable_hicache_storage=False, enable_lmcache=False), req)
+    op = ctrl.prefetch(CacheRequestHandle(rid="req-7", attempt_id=0), tokens, None, None)
+    hit = ctrl.prefetch_hit_queue.get(timeout=20)
+    assert hit is op
+    result = {"hit_tokens": op.storage_hit_count, "bytes_equal": False}
+    if op.storage_hit_count:
+        dst, _ = ctrl.allocate_storage_hit(
+            op, op.storage_hit_count, allow_partial=True, min_tokens=sg.P, evict_host=lambda n: 0
+        )
+        op.host_indices = dst
+        ctrl.prefetch_buffer.put(op)
+        completed = 0
+        while True:
+            ack = ctrl.ack_prefetch_queue.get(timeout=20)
+            completed = max(completed, ack.completed_tokens or 0)
+            if ack.completed_req:
+                break
+        result["prefetched_tokens"] = completed
+        result["bytes_equal"] = sg.pages_equal(host_a, src, host_b, dst)
+    ctrl.detach_storage_backend()
+    a.close()
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Hinted remote restore, replicated-MLA sharing and fail-stop, with the in-process mock fabric.
+
+The same flows over real NIXL between two processes are in ``test_two_replicas_nixl.py``.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+from kvcr.adapters.mock import Faults
+from kvcr.domain.keys import router_id
+from kvcr.integrations.sglang import KvcrHiCacheStorage
+from tests.integration.sglang import sg
+
+
+def hint(port, keys):
+    return HiCacheStorageExtraInfo(
+        extra_info={
+            "kv_hints": {
+                "protocol_version": "0.1",
+                "message_id": "req-1",
+                "actions": [
+                    {
+                        "action_id": "a1",
+                        "action_type": "kv.fetch",
+                        "action_version": "1.0",
+                        "payload": {
+                            "source_control_endpoint": f"tcp://127.0.0.1:{port}",
+                            "block_hashes": [router_id(k) for k in keys],
+                        },
+                    }
+                ],
+            }
+        }
+    )
+
+
+@pytest.fixture
+def replicas():
+    made = []
+
+    def make(cls=KvcrHiCacheStorage, **settings):
+        port = sg.free_port()
+        host = sg.mha_host("page_first")
+        config = sg.storage_config(control_port=port, **settings)
+        store = cls(config, {})
+        store.register_mem_pool_host(host)
+        store.register_mem_host_pool_v2(host, "kv")
+        store.on_host_pools_registered()
+        made.append(store)
+        return store, host, port
+
+    yield make
+    for store in made:
+        store.close()
+
+
+def test_a_hinted_replica_restores_the_sources_pages_into_its_own_host_pool(replicas):
+    a, host_a, port_a = replicas()
+    b, host_b, _ = replicas(enable_remote_hint=True)
+    keys = sg.hashes(6)
+    src = host_a.alloc(6 * sg.P)
+    sg.fill(host_a, src, seed=21)
+    assert a.batch_set_v1(keys, src) == [True] * 6
+    info = hint(port_a, keys)
+    assert b.batch_exists(keys) == 0  # no hint: B's own tier is empty
+    assert b.batch_exists(keys, info) == 6  # leased from A at hit-query time
+    dst = host_b.alloc(6 * sg.P)
+    assert b.batch_get_v1(keys[:4], dst[: 4 * sg.P], info) == [True] * 4  # prefetch batch 1
+    assert b.batch_get_v1(keys[4:], dst[4 * sg.P :], info) == [True] * 2  # batch 2, same lease
+    assert sg.pages_equal(host_a, src, host_b, dst)
+    assert a.runner.active_leases == 0  # released once every leased page was read
+    assert b.kvcr_stats()["held_remote_pages"] == 0
+
+
+def test_the_hint_bounds_what_is_leased_and_local_pages_come_first(replicas):
+    a, host_a, port_a = replicas()
+    b, host_b, _ = replicas(enable_remote_hint=True)
+    keys = sg.hashes(5)
+    src = host_a.alloc(5 * sg.P)
+    sg.fill(host_a, src, seed=22)
+    a.batch_set_v1(keys, src)
+    own = host_b.alloc(sg.P)
+    sg.fill(host_b, own, seed=22)  # B holds page 0 itself (same bytes: same page)
+    b.batch_set_v1(keys[:1], own)
+    assert b.batch_exists(keys, hint(port_a, keys[:3])) == 3  # 1 local + 2 leased; the hint stops there
+    dst = host_b.alloc(5 * sg.P)
+    assert b.batch_get_v1(keys, dst, hint(port_a, keys[:3]))[:3] == [True, True, True]
+
+
+def test_stale_hints_dead_peers_and_hints_without_the_flag_are_misses(replicas):
+    a, host_a, port_a = replicas()
+    b, host_b, _ = replicas(enable_remote_hint=True)
+    c, _, _ = replicas()  # enable_remote_hint off: ignores hints
+    keys = sg.hashes(3)
+    a.batch_set_v1(keys, host_a.alloc(3 * sg.P))
+    assert c.batch_exists(keys, hint(port_a, keys)) == 0
+    a.clear()  # the source no longer holds the pages the router told B about
+    assert b.batch_exists(keys, hint(port_a, keys)) == 0
+    assert b.batch_get_v1(keys, host_b.alloc(3 * sg.P), hint(port_a, keys)) == [False] * 3
+    a.close()
+    assert b.batch_exists(keys, hint(port_a, keys)) == 0
+    assert b.batch_get_v1(keys, host_b.alloc(3 * sg.P), hint(port_a, keys)) == [False] * 3
+
+
+def test_replicated_mla_only_the_writer_stores_and_other_ranks_read_from_it(replicas):
+    base = sg.free_port()
+    stores = []
+    hosts = []
+    for rank in range(2):
+        host = sg.mla_host("page_first")
+        store = KvcrHiCacheStorage(sg.storage_config(mla=True, tp_rank=rank, tp_size=2, control_port=base), {})
+        store.register_mem_pool_host(host)
+        store.register_mem_host_pool_v2(host, "kv")
+        store.on_host_pools_registered()
+        stores.append(store)
+        hosts.append(host)
+    try:
+        assert stores[0].control_port == base and stores[1].control_port == base + 1
+        assert stores[0].runner.namespace == stores[1].runner.namespace  # replicated KV: one key space
+        keys = sg.hashes(3)
+        src = hosts[0].alloc(3 * sg.P)
+        sg.fill(hosts[0], src, seed=31)
+        assert stores[0].batch_set_v1(keys, src) == [True] * 3  # SGLang backs up on the writer only
+        assert stores[1].batch_exists(keys) == 3  # rank 1 holds nothing itself and leases from rank 0
+        dst = hosts[1].alloc(3 * sg.P)
+        assert stores[1].batch_get_v1(keys, dst) == [True] * 3
+        assert sg.pages_equal(hosts[0], src, hosts[1], dst)
+    finally:
+        for store in stores:
+            store.close()
+
+
+def test_sharded_ranks_dial_their_own_rank_on_the_source():
+    configs = [sg.storage_config(tp_rank=r, tp_size=4, dp_rank=1, control_port=50000) for r in range(4)]
+    ports = [KvcrHiCacheStorage(c, {}).control_port for c in configs]
+    assert ports == [50004, 50005, 50006, 50007]  # base + dp_rank * tp_size + tp_rank
+
+
+class Recorded(KvcrHiCacheStorage):
+    reasons: list = []
+    terminate = staticmethod(reasons.append)
+
+
+def test_an_unconfirmed_read_terminates_the_worker(replicas):
+    a, host_a, port_a = replicas()
+    b, host_b, _ = replicas(cls=Recorded, enable_remote_hint=True, operation_timeout_ms=100, abandon_timeout_ms=200)
+    keys = sg.hashes(2)
+    a.batch_set_v1(keys, host_a.alloc(2 * sg.P))
+    a.node.data_plane.set_faults(Faults(stall=True, uncertain_cancel=True))
+    with pytest.raises(BaseException, match="could not be confirmed stopped"):
+        b.batch_get_v1(keys, host_b.alloc(2 * sg.P), hint(port_a, keys))
+    assert Recorded.reasons and "may still be written" in Recorded.reasons[-1]
+    a.node.data_plane.set_faults(Faults())  # let the stuck read land so both sides can close
+
+
+def test_fail_stop_really_ends_the_process_with_a_log_line(tmp_path):
+    script = textwrap.dedent(
+        """
+        import logging, sys
+        sys.path.insert(0, %r)
+        import tests.integration.sglang.conftest  # cache dirs and the torchvision stub
+        from sglang.srt.runtime_context import get_parallel
+        get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0,
+                                            pp_size=1)
+        logging.basicConfig(level=logging.INFO)
+        from kvcr.adapters.mock import Faults
+        from kvcr.integrations.sglang import KvcrHiCacheStorage
+        from tests.integration.sglang import sg
+        from tests.integration.sglang.test_remote import hint
+
+        def make(**settings):
+            host = sg.mha_host("page_first")
+            port = settings.pop("port")
+            store = KvcrHiCacheStorage(sg.storage_config(control_port=port, **settings), {})
+            store.register_mem_pool_host(host); store.register_mem_host_pool_v2(host, "kv")
+            store.on_host_pools_registered()
+            return store, host
+        a, host_a = make(port=47000)
+        b, host_b = make(port=47100, enable_remote_hint=True, operation_timeout_ms=100, abandon_timeout_ms=200)
+        keys = sg.hashes(2)
+        a.batch_set_v1(keys, host_a.alloc(2 * sg.P))
+        a.node.data_plane.set_faults(Faults(stall=True, uncertain_cancel=True))
+        b.batch_get_v1(keys, host_b.alloc(2 * sg.P), hint(47000, keys))
+        print("still alive")
+        """
+    ) % str(sg.__file__.rsplit("/tests/", 1)[0])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 75, done.stderr[-2000:]
+    assert "still alive" not in done.stdout
+    assert "terminating this worker" in done.stderr and "could not be confirmed stopped" in done.stderr
