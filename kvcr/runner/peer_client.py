@@ -80,6 +80,10 @@ class RemoteLease:
     def holds(self, pool: str, page_hash: str) -> bool:
         return (pool, page_hash) in self.slots
 
+    def usable_until(self, margin_s: float) -> float:
+        """The last moment (our clock) a read under this lease may finish."""
+        return self.sent_at + self.ttl_s - margin_s
+
 
 class PeerClient:
     """Leases and reads pages from peer runners. Thread-safe."""
@@ -105,6 +109,10 @@ class PeerClient:
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
         self._quarantine: list[int] = []
+
+    def alive(self, lease: RemoteLease) -> bool:
+        """Whether a read under ``lease`` could still be accepted."""
+        return not lease.released and self._clock.now() < lease.usable_until(self.settings.lease_margin_s)
 
     @property
     def quarantined(self) -> int:
@@ -219,7 +227,7 @@ class PeerClient:
     def _transfer(self, lease: RemoteLease, link: _Link, runs: list[CopyRun]) -> PageOutcome:
         settings = self.settings
         now = self._clock.now()
-        usable_until = lease.sent_at + lease.ttl_s - settings.lease_margin_s
+        usable_until = lease.usable_until(settings.lease_margin_s)
         give_up = min(now + settings.operation_s, usable_until)
         if now >= usable_until:
             return miss("lease expired before the read")

@@ -140,9 +140,13 @@ def test_sharded_ranks_dial_their_own_rank_on_the_source():
     assert ports == [50004, 50005, 50006, 50007]  # base + dp_rank * tp_size + tp_rank
 
 
+REASONS: list[str] = []
+
+
 class Recorded(KvcrHiCacheStorage):
-    reasons: list = []
-    terminate = staticmethod(reasons.append)
+    """Records fail-stop instead of ending the test process."""
+
+    terminate = staticmethod(REASONS.append)
 
 
 def test_an_unconfirmed_read_terminates_the_worker(replicas):
@@ -153,7 +157,7 @@ def test_an_unconfirmed_read_terminates_the_worker(replicas):
     a.node.data_plane.set_faults(Faults(stall=True, uncertain_cancel=True))
     with pytest.raises(BaseException, match="could not be confirmed stopped"):
         b.batch_get_v1(keys, host_b.alloc(2 * sg.P), hint(port_a, keys))
-    assert Recorded.reasons and "may still be written" in Recorded.reasons[-1]
+    assert REASONS and "may still be written" in REASONS[-1]
     a.node.data_plane.set_faults(Faults())  # let the stuck read land so both sides can close
 
 
