@@ -45,6 +45,7 @@ class PeerSettings:
     lease_margin_s: float = 0.5
     retry_after_s: float = 1.0  # how long a failed peer is skipped before we dial it again
     verify_bytes: bool = False
+    max_pages_per_read: int = 128
 
 
 @dataclass
@@ -168,12 +169,15 @@ class PeerClient:
     # ------------------------------------------------------------------ read
 
     def read(self, lease: RemoteLease, requests: Sequence[PoolRead]) -> dict[str, list[PageOutcome]]:
-        """Read leased pages into host slots with one batched transfer; one outcome per page."""
+        """Read leased pages into host slots, ``max_pages_per_read`` pages per transfer; one outcome per page.
+
+        Pages are taken in order (each pool's leading pages first), so a failed transfer leaves
+        the earlier, completed ones usable.
+        """
         outcomes: dict[str, list[PageOutcome]] = {r.pool: [_STALE] * len(r.page_hashes) for r in requests}
         link = lease.link
         if link is None or lease.released:
             return {pool: [miss("lease released")] * len(o) for pool, o in outcomes.items()}
-        pieces: dict[tuple[str, str, int], list[tuple[int, int]]] = {}
         wanted: list[tuple[str, int, str, int]] = []  # (pool, index, page hash, host slot)
         for request in requests:
             geometry = link.pools.get(request.pool)
@@ -185,31 +189,39 @@ class PeerClient:
                 outcomes[request.pool] = [miss("geometry differs from the source")] * len(request.page_hashes)
                 continue
             for index, (page, host_slot) in enumerate(zip(request.page_hashes, request.host_slots, strict=True)):
-                slot = lease.slots.get((request.pool, page))
-                if slot is None:
-                    continue
-                wanted.append((request.pool, index, page, host_slot))
-                for k, region in enumerate(host):
-                    group = pieces.setdefault((geometry.labels[k], region.label, region.piece_bytes), [])
-                    group.append((region.offset(host_slot), slot * geometry.strides[k]))
-        if not wanted:
-            return outcomes
-        runs = [
+                if (request.pool, page) in lease.slots:
+                    wanted.append((request.pool, index, page, host_slot))
+        step = self.settings.max_pages_per_read
+        for start in range(0, len(wanted), step):
+            chunk = wanted[start : start + step]
+            verdict = self._transfer(lease, link, self._runs(lease, link, chunk))
+            for pool, index, page, host_slot in chunk:
+                outcome = verdict
+                if verdict.restored and lease.checksums:
+                    expected = lease.checksums.get((pool, page))
+                    if expected is None or self._runner.host_checksum(pool, host_slot) != expected:
+                        outcome = failed("bytes differ from the source's checksum")
+                outcomes[pool][index] = outcome
+            if not verdict.restored:
+                break  # the rest stays a miss: do not pile transfers on a failing peer
+        restored = sum(o.restored for outs in outcomes.values() for o in outs)
+        self._metrics.increment("kvcr_restore_pages_total", restored, {"source": "remote"})
+        return outcomes
+
+    def _runs(self, lease: RemoteLease, link: _Link, pages: Sequence[tuple[str, int, str, int]]) -> list[CopyRun]:
+        """Merged copy runs from the source's leased slots to our host slots, every component."""
+        pieces: dict[tuple[str, str, int], list[tuple[int, int]]] = {}
+        for pool, _, page, host_slot in pages:
+            geometry = link.pools[pool]
+            slot = lease.slots[(pool, page)]
+            for k, region in enumerate(self._runner.pool_host_regions(pool)):
+                group = pieces.setdefault((geometry.labels[k], region.label, region.piece_bytes), [])
+                group.append((region.offset(host_slot), slot * geometry.strides[k]))
+        return [
             CopyRun(src_label, src_off, dst_label, dst_off, length)
             for (src_label, dst_label, nbytes), pairs in pieces.items()
             for dst_off, src_off, length in merge_runs(pairs, nbytes)
         ]
-        verdict = self._transfer(lease, link, runs)
-        for pool, index, page, host_slot in wanted:
-            outcome = verdict
-            if verdict.restored and lease.checksums:
-                expected = lease.checksums.get((pool, page))
-                if expected is None or self._runner.host_checksum(pool, host_slot) != expected:
-                    outcome = failed("bytes differ from the source's checksum")
-            outcomes[pool][index] = outcome
-        restored = sum(o.restored for outs in outcomes.values() for o in outs)
-        self._metrics.increment("kvcr_restore_pages_total", restored, {"source": "remote"})
-        return outcomes
 
     def restore(self, endpoint: str, requests: Sequence[PoolRead]) -> dict[str, list[PageOutcome]]:
         """Lease, read and release in one call."""

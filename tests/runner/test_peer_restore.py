@@ -264,3 +264,18 @@ def test_a_restarted_source_is_reconnected(cluster):
     b.hosts["kv"].zero_page(5)
     assert outcomes_of(b.client.restore(a2.endpoint, [PoolRead("kv", pages, [5, 6])])) == [Outcome.RESTORED] * 2
     assert b.hosts["kv"].read_page(5) == content(pages[0], 512)
+
+
+def test_reads_are_split_into_batches_and_stop_after_a_failed_one(cluster):
+    small = PeerSettings(operation_s=2.0, abandon_s=4.0, lease_s=5.0, max_pages_per_read=3)
+    a, b = cluster.node("A", 9000, settings=small), cluster.node("B", 9100, settings=small)
+    pages = sequence(7)
+    seed(a, pages, range(7))
+    lease = b.client.lease(a.endpoint, [("kv", p) for p in pages])
+    result = b.client.read(lease, [PoolRead("kv", pages, list(range(20, 27)))])
+    assert outcomes_of(result) == [Outcome.RESTORED] * 7
+    assert all(b.hosts["kv"].read_page(20 + i) == content(p, 512) for i, p in enumerate(pages))
+    a.data_plane.set_faults(Faults(partial_runs=0))  # every transfer from now on fails
+    b.client.release(lease)
+    result = b.client.restore(a.endpoint, [PoolRead("kv", pages, list(range(30, 37)))])
+    assert outcomes_of(result) == [Outcome.FAILED] * 3 + [Outcome.MISS] * 4

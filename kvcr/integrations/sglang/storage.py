@@ -203,6 +203,7 @@ class KvcrHiCacheStorage(HiCacheStorage):
                         lease_s=s.lease_ms / 1000,
                         lease_margin_s=runner_config.lease_margin_s,
                         verify_bytes=s.verify_bytes,
+                        max_pages_per_read=s.read_batch_pages,
                     ),
                 )
             container = build_container(runner_config, node=node_settings, **choices)
