@@ -79,6 +79,20 @@ def page_hashes(token_ids: Sequence[int], page_size: int, prior_hash: str | None
     return hashes
 
 
+def namespace_seed(extra_key: str | None, cache_salt: str | None) -> str | None:
+    """The prior hash SGLang chains a namespaced request's first page from (None when unsalted)."""
+    if extra_key is None and cache_salt is None:
+        return None
+    hasher = hashlib.sha256(b"sglang-cache-namespace-v1")
+    for part in (extra_key, cache_salt):
+        if part is None:
+            hasher.update(b"\x00")
+        else:
+            encoded = part.encode("utf-8")
+            hasher.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    return hasher.hexdigest()
+
+
 def router_id(page_hash_hex: str) -> int:
     """The page's router identity as an unsigned 64-bit integer (what Dynamo hints carry)."""
     return int(check_page_hash(page_hash_hex)[:16], 16)

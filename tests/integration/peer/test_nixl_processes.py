@@ -1,0 +1,211 @@
+"""Peer restore between processes over real NIXL (UCX on loopback) and the ZMQ control channel."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcr.adapters.local import MmapHostMemory
+from kvcr.adapters.zmq import ZmqControlChannel
+from kvcr.bench.peer import HostPool, bench_keys, bench_pool, build_node, page_pattern
+from kvcr.domain.outcomes import Outcome
+from kvcr.ports.errors import PeerRefused
+from kvcr.runner.peer_client import PeerSettings, PoolRead
+from kvcr.runner.protocol import Codec, Hello, HelloReply
+
+pytestmark = [pytest.mark.nixl, pytest.mark.zmq, pytest.mark.multiprocess]
+
+REPO = Path(__file__).resolve().parents[3]
+PAGE = 256 * 1024
+_ports = itertools.count(44100, 7)
+SETTINGS = PeerSettings(operation_s=3.0, abandon_s=6.0, lease_s=8.0, lease_margin_s=0.5, retry_after_s=0.2)
+
+
+class Source:
+    """A kvcr replica in another process, holding ``pages`` known pages."""
+
+    def __init__(self, pages: int, page_bytes: int = PAGE, token_file: str | None = None, port: int | None = None):
+        self.port = port or next(_ports)
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvcr.bench.peer",
+            "--port",
+            str(self.port),
+            "--pages",
+            str(pages),
+            "--page-bytes",
+            str(page_bytes),
+            "--name",
+            f"source-{self.port}-{time.monotonic_ns()}",
+        ]
+        if token_file:
+            cmd += ["--token-file", token_file]
+        env = dict(os.environ, UCX_NET_DEVICES="lo")
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        line = self._ready_line(60)
+        self.info = json.loads(line[len("READY ") :])
+        self.endpoint = self.info["endpoint"]
+        self.keys = self.info["keys"]
+
+    def _ready_line(self, timeout: float) -> str:
+        result: list[str] = []
+        reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not result or not result[0].startswith("READY "):
+            self.kill()
+            raise AssertionError(f"source did not start: {self.proc.stderr.read()[-3000:]}")
+        return result[0]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def sources():
+    made: list[Source] = []
+
+    def start(*args, **kwargs) -> Source:
+        source = Source(*args, **kwargs)
+        made.append(source)
+        return source
+
+    yield start
+    for source in made:
+        source.stop()
+
+
+@pytest.fixture
+def target():
+    made = []
+
+    def make(page_bytes: int = PAGE, slots: int = 8, token: bytes | None = None, pages: int = 256):
+        node = build_node(
+            f"target-{time.monotonic_ns()}", next(_ports), page_bytes, slots, token=token, settings=SETTINGS
+        )
+        host = HostPool.allocate(MmapHostMemory(), bench_pool(page_bytes), pages)
+        node.register_host_pool("kv", host.regions)
+        made.append((node, host))
+        return node, host
+
+    yield make
+    for node, host in made:
+        node.close()
+        host.free()
+
+
+def outcomes(result):
+    return [o.outcome for o in result["kv"]]
+
+
+def test_target_process_restores_source_pages_byte_equal(sources, target):
+    source = sources(64)
+    node, host = target()
+    keys = source.keys
+    result = node.client.restore(source.endpoint, [PoolRead("kv", keys, list(range(100, 164)))])
+    assert outcomes(result) == [Outcome.RESTORED] * 64
+    for i, key in enumerate(keys):
+        assert host.read(100 + i) == page_pattern(key, PAGE), f"page {i} differs"
+
+
+def test_kill_9_mid_restore_gives_misses_within_the_deadline_and_a_restarted_source_serves(sources, target):
+    source = sources(96, page_bytes=8 << 20)
+    node, host = target(page_bytes=8 << 20, pages=100)
+    keys = source.keys
+    lease = node.client.lease(source.endpoint, [("kv", k) for k in keys])
+    assert lease is not None and len(lease.slots) == 96
+    killer = threading.Timer(0.005, source.kill)
+    started = time.monotonic()
+    killer.start()
+    result = node.client.read(lease, [PoolRead("kv", keys, list(range(96)))])
+    elapsed = time.monotonic() - started
+    killer.join()
+    assert elapsed <= SETTINGS.operation_s + 1.0
+    assert all(o in (Outcome.RESTORED, Outcome.FAILED, Outcome.MISS) for o in outcomes(result))
+    assert node.client.quarantined == 0
+    # After the kill nothing more can be had from that endpoint, quickly.
+    started = time.monotonic()
+    again = node.client.restore(source.endpoint, [PoolRead("kv", keys[:4], [0, 1, 2, 3])])
+    assert outcomes(again) == [Outcome.MISS] * 4
+    assert time.monotonic() - started <= SETTINGS.operation_s + 1.0
+    # A restarted source on the same port serves again.
+    time.sleep(SETTINGS.retry_after_s)
+    reborn = sources(8, page_bytes=8 << 20, port=source.port)
+    result = node.client.restore(reborn.endpoint, [PoolRead("kv", reborn.keys, list(range(8)))])
+    assert outcomes(result) == [Outcome.RESTORED] * 8
+    assert host.read(3) == page_pattern(reborn.keys[3], 8 << 20)
+
+
+def test_kill_9_between_lease_and_read(sources, target):
+    source = sources(8)
+    node, _ = target()
+    lease = node.client.lease(source.endpoint, [("kv", k) for k in source.keys])
+    assert lease is not None
+    source.kill()
+    started = time.monotonic()
+    result = node.client.read(lease, [PoolRead("kv", source.keys, list(range(8)))])
+    assert time.monotonic() - started <= SETTINGS.operation_s + 1.0
+    assert Outcome.RESTORED not in outcomes(result)
+
+
+def test_stale_hint_pages_the_source_does_not_hold_are_misses(sources, target):
+    source = sources(8)
+    node, _ = target()
+    evicted = bench_keys(4, start=10_000_000)
+    result = node.client.restore(source.endpoint, [PoolRead("kv", [*source.keys[:2], *evicted], list(range(6)))])
+    assert outcomes(result) == [Outcome.RESTORED] * 2 + [Outcome.MISS] * 4
+
+
+def test_namespace_mismatch_is_an_incompatible_peer(sources, target):
+    source = sources(4)
+    node, _ = target(page_bytes=PAGE * 2)  # other geometry -> other namespace
+    result = node.client.restore(source.endpoint, [PoolRead("kv", source.keys, [0, 1, 2, 3])])
+    assert outcomes(result) == [Outcome.MISS] * 4
+
+
+def test_version_mismatch_and_wrong_token_are_refused_without_metadata(sources, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_bytes(b"0123456789abcdef-cluster-secret")
+    source = sources(4, token_file=str(token_file))
+    client = ZmqControlChannel("127.0.0.1", next(_ports))
+    try:
+        hello = Hello(source.info["namespace"], "intruder")
+        for codec in (Codec(b"wrong-token-wrong-token"), Codec(None)):
+            reply = client.request(source.endpoint, codec.encode(hello), 3.0)
+            assert b"hello_reply" not in reply and b"NIXL" not in reply.upper()
+            with pytest.raises(PeerRefused, match=r"refused|authentication"):
+                codec.decode_reply(reply)
+        good = Codec(token_file.read_bytes().strip())
+        assert isinstance(good.decode_reply(client.request(source.endpoint, good.encode(hello), 3.0)), HelloReply)
+        # Another protocol version: a well-formed frame whose version field is not ours.
+        import msgspec
+
+        body = msgspec.msgpack.encode(hello)
+        frame = msgspec.msgpack.encode(("kvcr-peer", 99, body, b""))
+        refused = client.request(source.endpoint, frame, 3.0)
+        message = msgspec.msgpack.decode(msgspec.msgpack.decode(refused)[2])
+        assert message[0] == "refused" and "version" in message[1]
+    finally:
+        client.close()
