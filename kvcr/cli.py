@@ -23,11 +23,29 @@ def _bench_local(args: argparse.Namespace) -> int:
         results.append(run_local(size, args.pages, args.reps))
         print(f"  measured {size} B pages", file=sys.stderr)
     print(local_table(results))
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps([as_dict(r) for r in results], indent=2))
+    _write_json(args.json, [as_dict(r) for r in results])
     return 0
+
+
+def _bench_sglang(args: argparse.Namespace) -> int:
+    from kvcr.bench.sglang import LAYER_BYTES, as_dict, run_sglang, sglang_table
+
+    results = []
+    for size in _sizes(args.page_sizes):
+        if size % LAYER_BYTES:
+            raise SystemExit(f"--page-sizes: {size} is not a multiple of one layer ({LAYER_BYTES} bytes)")
+        results.append(run_sglang(size // LAYER_BYTES, args.pages, args.reps))
+        print(f"  measured {size} B pages", file=sys.stderr)
+    print(sglang_table(results))
+    _write_json(args.json, [as_dict(r) for r in results])
+    return 0
+
+
+def _write_json(path_text: str | None, data: object) -> None:
+    if path_text:
+        path = Path(path_text)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2))
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -52,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--reps", type=int, default=15)
     local.add_argument("--json", default="bench-results/local.json")
     local.set_defaults(func=_bench_local)
+    sglang = which.add_parser("sglang", help="batch_set_v1/batch_get_v1 on SGLang's real host pool vs memcpy")
+    sglang.add_argument("--page-sizes", default="1MiB,2MiB,8MiB")
+    sglang.add_argument("--pages", type=int, default=128)
+    sglang.add_argument("--reps", type=int, default=10)
+    sglang.add_argument("--json", default="bench-results/sglang.json")
+    sglang.set_defaults(func=_bench_sglang)
     return parser
 
 

@@ -228,3 +228,16 @@ def test_v2_all_pages_sidecar_gates_the_kv_hit():
         assert result.restorable_prefix_pages == [1, 2]
     finally:
         store.close()
+
+
+def test_the_sglang_benchmark_command_runs_and_verifies_bytes(tmp_path, capsys):
+    import json
+
+    from kvcr.cli import main
+
+    out = tmp_path / "sglang.json"
+    args = ["bench", "sglang", "--page-sizes", "256KiB", "--pages", "4", "--reps", "1", "--json", str(out)]
+    assert main(args) == 0
+    assert "batch_set_v1" in capsys.readouterr().out
+    [result] = json.loads(out.read_text())
+    assert result["verified"] is True and result["page_bytes"] == 256 * 1024

@@ -1,0 +1,227 @@
+"""SGLang path benchmark: ``batch_set_v1`` / ``batch_get_v1`` through kvcr vs memcpy of the same bytes.
+
+An SGLang 0.5.23 ``MHATokenToKVPoolHost`` (page_first, bf16, 64-token pages, 8 heads x 128 dims;
+the layer count sets the page size: 4 layers = 1 MiB, 8 = 2 MiB, 32 = 8 MiB per page) is built on
+the CPU and registered with a ``KvcrHiCacheStorage`` created through SGLang's storage factory
+(``dynamic`` route, ``interface_v1``). The baseline buffer is host memory of the same kind as
+kvcr's arena (anonymous mmap), so each ratio compares kvcr with a plain copy between the same two
+kinds of memory in the same direction. Per repetition, interleaved: memcpy of the same K and V
+extents into a warm buffer, ``batch_set_v1`` of 128 fresh pages (the tier is full after the first
+repetition, so each backup also evicts), ``batch_get_v1`` of those pages into other host slots.
+Every restored page is compared with its source once.
+
+On a CPU-only machine SGLang needs an import-only torchvision; this module uses the repo's test
+stub when no torchvision is installed (run it from a checkout).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcr.adapters.local import MmapHostMemory
+from kvcr.bench.stats import markdown_table, timing
+from kvcr.domain.units import format_byte_size
+
+PAGE_TOKENS, HEADS, HEAD_DIM = 64, 8, 128
+LAYER_BYTES = 2 * PAGE_TOKENS * HEADS * HEAD_DIM * 2  # K and V of one layer of one page, bf16
+
+
+def _prepare_environment() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    for var, sub in (
+        ("SGLANG_CACHE_DIR", "sglang"),
+        ("TORCH_EXTENSIONS_DIR", "torch_extensions"),
+        ("TRITON_CACHE_DIR", "triton"),
+        ("HF_HOME", "huggingface"),
+    ):
+        os.environ.setdefault(var, str(repo / ".cache" / sub))
+    stubs = repo / "tests" / "stubs"
+    if importlib.util.find_spec("torchvision") is None and stubs.is_dir():
+        sys.path.append(str(stubs))
+
+
+@dataclass(frozen=True, slots=True)
+class SglangResult:
+    page_bytes: int
+    pages: int
+    reps: int
+    memcpy_in_gbps: float
+    memcpy_out_gbps: float
+    set_gbps: float
+    get_gbps: float
+    set_ratio: float
+    get_ratio: float
+    verified: bool
+
+
+def _host_pool(layers: int, pages: int) -> Any:
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+    from sglang.srt.mem_cache.pool_host.common import make_kernel_ptr_table
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    tokens = PAGE_TOKENS  # the device pool only lends shapes; the host pool is sized explicitly
+    k = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers))
+    v = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers))
+    info = MHABufferInfo(
+        buffers=KVBuffers(
+            k=k,
+            v=v,
+            k_data_ptrs=make_kernel_ptr_table(list(k), "cpu", host_memory_registered=False),
+            v_data_ptrs=make_kernel_ptr_table(list(v), "cpu", host_memory_registered=False),
+            layout=KVBufferLayout.NHD,
+        ),
+        page_size=PAGE_TOKENS,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    return MHATokenToKVPoolHost(
+        info,
+        1.0,
+        0,
+        PAGE_TOKENS,
+        "page_first",
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=tokens,
+        start_layer=0,
+        end_layer=layers,
+        host_token_capacity=pages * PAGE_TOKENS,
+    )
+
+
+def run_sglang(layers: int, pages: int, reps: int) -> SglangResult:
+    _prepare_environment()
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    page_bytes = layers * LAYER_BYTES
+    host = _host_pool(layers, 2 * pages)
+    host.kv_buffer.view(torch.int16).random_()
+    extra = {
+        "backend_name": "kvcr",
+        "module_path": "kvcr.integrations.sglang",
+        "class_name": "KvcrHiCacheStorage",
+        "interface_v1": 1,
+        "transport": "mock",
+        "control_port": 0,
+        "dram_bytes": pages * page_bytes,
+    }
+    config = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="bench",
+        extra_config=extra,
+    )
+    store = StorageBackendFactory.create_backend("dynamic", config, host)
+    store.register_mem_pool_host(host)
+    store.register_mem_host_pool_v2(host, "kv")
+    store.on_host_pools_registered()
+    src = torch.arange(0, pages * PAGE_TOKENS, dtype=torch.int64)
+    dst = torch.arange(pages * PAGE_TOKENS, 2 * pages * PAGE_TOKENS, dtype=torch.int64)
+    ptrs, sizes = host.get_page_buffer_meta(src[:PAGE_TOKENS])
+    dst_ptrs, _ = host.get_page_buffer_meta(dst[:PAGE_TOKENS])
+    half = pages * int(sizes[0])
+    memory = MmapHostMemory()
+    baseline = memory.allocate(2 * half, "bench/baseline")
+    base = baseline.address
+    memcpy_in_s, memcpy_out_s, set_s, get_s = [], [], [], []
+    verified = False
+    try:
+        for rep in range(reps + 1):
+            keys = get_hash_str(
+                list(range(rep * pages * PAGE_TOKENS, (rep + 1) * pages * PAGE_TOKENS)), None, page_size=PAGE_TOKENS
+            )
+            t0 = time.perf_counter()
+            ctypes.memmove(base, int(ptrs[0]), half)  # the same K extents ...
+            ctypes.memmove(base + half, int(ptrs[1]), half)  # ... and V extents the backend copies
+            t1 = time.perf_counter()
+            stored = store.batch_set_v1(keys, src)
+            t2 = time.perf_counter()
+            ctypes.memmove(int(dst_ptrs[0]), base, half)  # the same bytes into the destination slots
+            ctypes.memmove(int(dst_ptrs[1]), base + half, half)
+            t3 = time.perf_counter()
+            restored = store.batch_get_v1(keys, dst)
+            t4 = time.perf_counter()
+            if not all(stored) or not all(restored):
+                raise RuntimeError("benchmark pages were not all stored and restored")
+            if not verified:
+                bits = host.kv_buffer.view(torch.int16)  # compare bits: random bf16 patterns include NaNs
+                verified = bool(
+                    torch.equal(
+                        bits[:, : pages * PAGE_TOKENS],
+                        bits[:, pages * PAGE_TOKENS : 2 * pages * PAGE_TOKENS],
+                    )
+                )
+                if not verified:
+                    raise RuntimeError("restored pages differ from the backed-up pages")
+            if rep:
+                memcpy_in_s.append(t1 - t0)
+                set_s.append(t2 - t1)
+                memcpy_out_s.append(t3 - t2)
+                get_s.append(t4 - t3)
+    finally:
+        store.close()
+        memory.free(baseline)
+    nbytes = pages * page_bytes
+    m_in, m_out, st, gt = timing(memcpy_in_s), timing(memcpy_out_s), timing(set_s), timing(get_s)
+    return SglangResult(
+        page_bytes,
+        pages,
+        reps,
+        m_in.gbps(nbytes),
+        m_out.gbps(nbytes),
+        st.gbps(nbytes),
+        gt.gbps(nbytes),
+        m_in.p50 / st.p50,
+        m_out.p50 / gt.p50,
+        verified,
+    )
+
+
+def sglang_table(results: list[SglangResult]) -> str:
+    rows = [
+        [
+            f"{format_byte_size(r.page_bytes)} x {r.pages}",
+            f"{r.memcpy_in_gbps:.1f}",
+            f"{r.set_gbps:.1f}",
+            f"{r.memcpy_out_gbps:.1f}",
+            f"{r.get_gbps:.1f}",
+            f"{r.set_ratio:.2f}x",
+            f"{r.get_ratio:.2f}x",
+        ]
+        for r in results
+    ]
+    header = [
+        "pages",
+        "memcpy in GB/s",
+        "batch_set_v1 GB/s",
+        "memcpy out GB/s",
+        "batch_get_v1 GB/s",
+        "set vs memcpy",
+        "get vs memcpy",
+    ]
+    return markdown_table(header, rows)
+
+
+def as_dict(result: SglangResult) -> dict[str, object]:
+    return asdict(result)
