@@ -6,12 +6,21 @@ Build a runner (local tier only) or a node (runner + peer server and client) wit
     runner = container.runner()
     node = container.node()
 
+The runner's inventory port is a name (``"none"``, ``"recording"``) or, to publish KV events, a
+factory that wraps the container's KV-event publisher (a ZMQ PUB) in a sink; an integration
+passes its translating sink this way without knowing the socket adapter::
+
+    container = build_container(config, kv_events=KvEventsSettings("tcp://127.0.0.1:5557"),
+                                inventory=lambda publisher: SomeSink(publisher, ...))
+
 Tests swap an adapter with ``container.memory.override(...)``. Adapter modules are imported by
 the build functions below, only when their provider is first used.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dependency_injector import containers, providers
@@ -25,7 +34,7 @@ if TYPE_CHECKING:
     from kvcr.ports.clock import Clock
     from kvcr.ports.control import ControlChannel
     from kvcr.ports.dataplane import DataPlane
-    from kvcr.ports.inventory import InventorySink
+    from kvcr.ports.inventory import InventorySink, KvEventPublisher
     from kvcr.ports.memory import HostMemory
     from kvcr.ports.metrics import Metrics
 
@@ -70,6 +79,31 @@ def _recording_inventory() -> InventorySink:
     from kvcr.adapters.local import RecordingInventory
 
     return RecordingInventory()
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsSettings:
+    """Where the KV-event publisher binds, its topic, and the DP rank its batches carry."""
+
+    endpoint: str
+    topic: str = "kv-events"
+    dp_rank: int | None = 0
+
+
+InventoryFactory = Callable[["KvEventPublisher"], "InventorySink"]
+"""Builds the runner's inventory sink around the container's KV-event publisher."""
+
+
+def _zmq_event_publisher(settings: KvEventsSettings) -> KvEventPublisher:
+    if not isinstance(settings, KvEventsSettings):
+        raise TypeError(f"config.kv_events must be a KvEventsSettings, got {type(settings).__name__}")
+    from kvcr.adapters.zmq import ZmqEventPublisher
+
+    return ZmqEventPublisher(settings.endpoint, settings.topic, settings.dp_rank)
+
+
+def _event_inventory(factory: InventoryFactory, publisher: KvEventPublisher) -> InventorySink:
+    return factory(publisher)
 
 
 def _mock_fabric() -> MockFabric:
@@ -141,10 +175,12 @@ class Container(containers.DeclarativeContainer):
         fake=providers.Singleton(_fake_clock),
     )
     metrics = providers.Singleton(_metrics)
+    kv_event_publisher = providers.Singleton(_zmq_event_publisher, config.kv_events)
     inventory = providers.Selector(
         config.inventory,
         none=providers.Singleton(_null_inventory),
         recording=providers.Singleton(_recording_inventory),
+        kv_events=providers.Singleton(_event_inventory, config.inventory_factory, kv_event_publisher),
     )
     runner = providers.Singleton(
         _runner,
@@ -179,11 +215,31 @@ class Container(containers.DeclarativeContainer):
 DEFAULTS = {"memory": "mmap", "clock": "monotonic", "inventory": "none", "transport": "nixl", "control": "zmq"}
 
 
-def build_container(runner_config: RunnerConfig, *, node: NodeSettings | None = None, **choices: str) -> Container:
-    """A container for ``runner_config``; ``choices`` pick adapters (memory, clock, inventory,
-    transport, control); ``node`` is needed only to build a node."""
+def build_container(
+    runner_config: RunnerConfig,
+    *,
+    node: NodeSettings | None = None,
+    kv_events: KvEventsSettings | None = None,
+    inventory: str | InventoryFactory | None = None,
+    **choices: str,
+) -> Container:
+    """A container for ``runner_config``; ``choices`` pick adapters (memory, clock, transport,
+    control); ``node`` is needed only to build a node.
+
+    ``inventory`` is an adapter name or a factory around the KV-event publisher, which then
+    needs ``kv_events``.
+    """
     container = Container()
     values: dict[str, object] = {**DEFAULTS, **choices, "runner": runner_config}
+    if callable(inventory):
+        if kv_events is None:
+            raise TypeError("an inventory factory publishes KV events: kv_events settings are required")
+        values["inventory"] = "kv_events"
+        values["inventory_factory"] = inventory
+    elif inventory is not None:
+        values["inventory"] = inventory
+    if kv_events is not None:
+        values["kv_events"] = kv_events
     if node is not None:
         values["node"] = node
     container.config.from_dict(values)

@@ -105,7 +105,7 @@ def build_node(
     )
     node_settings = NodeSettings("127.0.0.1", port, token=token, peer=peer)
     container = build_container(config, node=node_settings, transport=transport, control="zmq")
-    return container.node()  # type: ignore[no-any-return]
+    return container.node()
 
 
 def main(argv: list[str] | None = None) -> int:

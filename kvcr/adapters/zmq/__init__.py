@@ -1,9 +1,11 @@
-"""ZMQ adapters: the peer control channel (ROUTER/DEALER request-reply).
+"""ZMQ adapters: the peer control channel (ROUTER/DEALER request-reply) and the KV-event publisher
+(a PUB socket in Dynamo's wire format).
 
-This folder will also hold the KV-event publisher socket. pyzmq is imported only when an adapter
-is constructed, so importing this package needs no pyzmq.
+pyzmq (and msgpack) are imported only when an adapter is constructed, so importing this package
+needs neither.
 """
 
 from kvcr.adapters.zmq.control import ZmqControlChannel
+from kvcr.adapters.zmq.events import ZmqEventPublisher
 
-__all__ = ["ZmqControlChannel"]
+__all__ = ["ZmqControlChannel", "ZmqEventPublisher"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcr.adapters.zmq.events import bind_address
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.eviction import POLICIES
 from kvcr.domain.units import parse_byte_size
@@ -50,6 +51,8 @@ class KvcrSettings:
     verify_bytes: bool = False
     auth_token_file: str | None = None
     policy: str = "lru"
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = "kv-events"
 
     def token(self) -> bytes | None:
         """The cluster token's bytes (read once at start-up), or None."""
@@ -77,6 +80,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "verify_bytes": (bool,),
     "auth_token_file": (str, type(None)),
     "policy": (str,),
+    "kv_events_endpoint": (str, type(None)),
+    "kv_events_topic": (str,),
 }
 
 
@@ -119,3 +124,8 @@ def _check(s: KvcrSettings) -> None:
         raise ConfigError(f"policy must be one of {', '.join(sorted(POLICIES))}, got {s.policy!r}")
     if s.enable_remote_hint and s.control_port == 0:
         raise ConfigError("enable_remote_hint needs a control_port (peers and hints name control endpoints)")
+    if s.kv_events_endpoint is not None:
+        try:
+            bind_address(s.kv_events_endpoint)
+        except ConfigError as exc:
+            raise ConfigError(f"kv_events_endpoint: {exc}") from exc

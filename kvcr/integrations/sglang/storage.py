@@ -34,7 +34,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvcr.container import build_container
+from kvcr.adapters.zmq.events import bind_address
+from kvcr.container import InventoryFactory, KvEventsSettings, build_container
 from kvcr.domain.boundaries import all_pages_boundaries, intersect, leading_run, trailing_boundaries
 from kvcr.domain.deadlines import DeadlineBudget
 from kvcr.domain.errors import ConfigError, KvcrError, LayoutError
@@ -42,9 +43,12 @@ from kvcr.domain.hints import Endpoint, FetchHint, parse_hint
 from kvcr.domain.keys import ShardIdentity, router_id
 from kvcr.domain.outcomes import Outcome, PageOutcome
 from kvcr.domain.pools import HitPolicy
+from kvcr.integrations.dynamo.events import DynamoInventorySink
+from kvcr.integrations.dynamo.page_tokens import default_registry
 from kvcr.integrations.sglang import hints_bridge
 from kvcr.integrations.sglang.pools import DescribedPool, describe_host_pool, host_slots
 from kvcr.integrations.sglang.settings import KvcrSettings, parse_settings
+from kvcr.ports.inventory import KvEventPublisher
 from kvcr.runner.config import RunnerConfig, namespace_for
 from kvcr.runner.node import NodeSettings, RunnerNode
 from kvcr.runner.peer_client import PeerSettings, PoolRead, RemoteLease
@@ -120,6 +124,7 @@ class KvcrHiCacheStorage(HiCacheStorage):
         self._described: dict[str, DescribedPool] = {}
         self.runner: KvcrRunner | None = None
         self.node: RunnerNode | None = None
+        self.kv_events: DynamoInventorySink | None = None
         self._held: dict[tuple[str, str], _Held] = {}
         self._hint_rejections: dict[str, int] = {}
         self._stats = _Stats()
@@ -206,29 +211,64 @@ class KvcrHiCacheStorage(HiCacheStorage):
                         max_pages_per_read=s.read_batch_pages,
                     ),
                 )
-            container = build_container(runner_config, node=node_settings, **choices)
+            kv_events, inventory = self._kv_events(anchor.page_size)
+            container = build_container(
+                runner_config, node=node_settings, kv_events=kv_events, inventory=inventory, **choices
+            )
             if s.transport == "mock":
                 container.fabric.override(_process_fabric())
-            if node_settings is not None:
-                node = container.node()
-                for name, d in described.items():
-                    if d.spec.physical:
-                        node.register_host_pool(name, d.regions)
-                self.node = node
-                runner = node.runner
-            else:
-                runner = container.runner()
-                for name, d in described.items():
-                    if d.spec.physical:
-                        runner.register_host_pool(name, d.regions)
+            try:
+                if node_settings is not None:
+                    node = container.node()
+                    for name, d in described.items():
+                        if d.spec.physical:
+                            node.register_host_pool(name, d.regions)
+                    self.node = node
+                    runner = node.runner
+                else:
+                    runner = container.runner()
+                    for name, d in described.items():
+                        if d.spec.physical:
+                            runner.register_host_pool(name, d.regions)
+            except BaseException:
+                if self.kv_events is not None:  # the publisher was bound: free its port for a retry
+                    self.kv_events.close()
+                    self.kv_events = None
+                raise
             self._described = described
             self.runner = runner
             log.info(
-                "kvcr started: namespace %s, pools %s, endpoint %s",
+                "kvcr started: namespace %s, pools %s, endpoint %s, kv events %s",
                 runner.namespace,
                 {n: d.spec.page_bytes for n, d in described.items()},
                 self.node.endpoint if self.node else "none (local only)",
+                kv_events.endpoint if kv_events else "off",
             )
+
+    def _kv_events(self, page_size: int) -> tuple[KvEventsSettings | None, InventoryFactory | None]:
+        """The KV-event publisher of this DP replica, if configured and this rank publishes.
+
+        One publisher per DP replica, on its attention rank 0 (the rank that holds the replica's
+        pages in every layout, and the rank a hint's endpoint names); DP replica ``d`` binds the
+        configured port + ``d``, as SGLang's own KV-event publishers do.
+        """
+        endpoint = self.settings.kv_events_endpoint
+        if endpoint is None or self.rank_offset != 0:
+            return None, None
+        dp_rank = self.storage_config.dp_rank
+        if dp_rank:
+            host, port = bind_address(endpoint)
+            if port + dp_rank > 65535:
+                raise ConfigError(f"kv_events_endpoint port {port} + dp rank {dp_rank} runs past 65535")
+            endpoint = f"tcp://{f'[{host}]' if ':' in host else host}:{port + dp_rank}"
+        registry = default_registry()
+        registry.enable()  # the plugin's backup hook records page tokens from now on
+
+        def sink(publisher: KvEventPublisher) -> DynamoInventorySink:
+            self.kv_events = DynamoInventorySink(publisher, block_size=page_size, tokens=registry)
+            return self.kv_events
+
+        return KvEventsSettings(endpoint, self.settings.kv_events_topic, dp_rank), sink
 
     def _ready(self) -> KvcrRunner:
         if self.runner is None:
@@ -691,6 +731,7 @@ class KvcrHiCacheStorage(HiCacheStorage):
             "counters": stats.counters,
             "hints_rejected": rejected,
             "held_remote_pages": held,
+            "kv_events": self.kv_events.stats() if self.kv_events else None,
         }
 
     def close(self) -> None:
@@ -706,6 +747,9 @@ class KvcrHiCacheStorage(HiCacheStorage):
                 self.runner.close()
         except KvcrError:
             log.exception("kvcr close left memory registered (a transfer never settled)")
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.close()  # the router forgets this replica's pages
 
     def _record(
         self, pages: list[int], bandwidth: list[float], results: Sequence[bool], pool: str, started: float
