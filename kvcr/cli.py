@@ -41,6 +41,19 @@ def _bench_sglang(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_remote(args: argparse.Namespace) -> int:
+    from kvcr.bench.remote import as_dict, remote_table, run_remote
+
+    batches = [int(b) for b in args.batches.split(",") if b]
+    results = []
+    for i, size in enumerate(_sizes(args.page_sizes)):
+        results.extend(run_remote(size, batches, args.reps, port=args.port + 10 * i))
+        print(f"  measured {size} B pages", file=sys.stderr)
+    print(remote_table(results))
+    _write_json(args.json, [as_dict(r) for r in results])
+    return 0
+
+
 def _write_json(path_text: str | None, data: object) -> None:
     if path_text:
         path = Path(path_text)
@@ -76,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     sglang.add_argument("--reps", type=int, default=10)
     sglang.add_argument("--json", default="bench-results/sglang.json")
     sglang.set_defaults(func=_bench_sglang)
+    remote = which.add_parser("remote", help="peer restore over NIXL vs raw NIXL READ vs memcpy (2 processes)")
+    remote.add_argument("--page-sizes", default="64KiB,2MiB,8MiB")
+    remote.add_argument("--batches", default="32,128")
+    remote.add_argument("--reps", type=int, default=20)
+    remote.add_argument("--port", type=int, default=45500, help="first loopback port to use")
+    remote.add_argument("--json", default="bench-results/remote.json")
+    remote.set_defaults(func=_bench_remote)
     return parser
 
 

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.nixl, pytest.mark.zmq, pytest.mark.multiprocess]
 
 REPO = Path(__file__).resolve().parents[3]
 PAGE = 256 * 1024
-_ports = itertools.count(44100, 7)
+_ports = itertools.count(44100, 7)  # steps of 7: the remote bench uses port, port+1 and port+2
 SETTINGS = PeerSettings(operation_s=3.0, abandon_s=6.0, lease_s=8.0, lease_margin_s=0.5, retry_after_s=0.2)
 
 
@@ -209,3 +209,28 @@ def test_version_mismatch_and_wrong_token_are_refused_without_metadata(sources, 
         assert message[0] == "refused" and "version" in message[1]
     finally:
         client.close()
+
+
+def test_the_remote_benchmark_command_runs_and_verifies_bytes(tmp_path, capsys):
+    from kvcr.cli import main
+
+    out = tmp_path / "remote.json"
+    port = next(_ports)
+    args = [
+        "bench",
+        "remote",
+        "--page-sizes",
+        "64KiB",
+        "--batches",
+        "8",
+        "--reps",
+        "2",
+        "--port",
+        str(port),
+        "--json",
+        str(out),
+    ]
+    assert main(args) == 0
+    assert "raw NIXL READ" in capsys.readouterr().out
+    [result] = json.loads(out.read_text())
+    assert result["verified"] is True and result["pages"] == 8

@@ -1,0 +1,279 @@
+"""Remote restore benchmark: kvcr's peer path vs a raw NIXL READ of the same pieces vs memcpy.
+
+For each page size a source replica runs in another process (``kvcr.bench.peer``: a runner node
+over NIXL + ZMQ holding 128 known pages). This process is the target: a runner node with a host
+pool. Per page size and batch (pages 0..batch-1), interleaved repetition by repetition:
+
+* ``raw``      a separate, bare NIXL agent of this process reads the very same pieces (the
+               source's leased arena slots, K and V) into the same host slots: prepared strided
+               lists made once, then ``make_prepped_xfer`` + ``transfer`` + poll + release;
+* ``read``     kvcr's ``PeerClient.read`` under a lease taken beforehand (what the SGLang backend
+               does at prefetch time: it leased at hit-query time);
+* ``restore``  kvcr's whole ``PeerClient.restore``: LEASE round trip, READ, RELEASE;
+* ``memcpy``   a memmove of the same byte count between two buffers of this process.
+
+Every kvcr read is checked byte for byte against the source's known page contents once per
+configuration. Ratios are against ``raw`` (and ``raw`` against ``memcpy``) of the same run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvcr.adapters.local import MmapHostMemory
+from kvcr.bench.peer import HostPool, bench_pool, build_node, page_pattern
+from kvcr.bench.stats import Timing, markdown_table, timing
+from kvcr.domain.units import format_byte_size
+from kvcr.runner.peer_client import PeerSettings, PoolRead
+
+SOURCE_PAGES = 128
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteResult:
+    page_bytes: int
+    pages: int
+    reps: int
+    memcpy_p50_ms: float
+    raw_p50_ms: float
+    read_p50_ms: float
+    read_p99_ms: float
+    restore_p50_ms: float
+    restore_p99_ms: float
+    read_vs_raw: float
+    restore_vs_raw: float
+    raw_vs_memcpy: float
+    verified: bool
+
+    def gbps(self, ms: float) -> float:
+        return self.pages * self.page_bytes / (ms / 1e3) / 1e9
+
+
+@contextlib.contextmanager
+def _source(page_bytes: int, port: int) -> Iterator[dict[str, Any]]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvcr.bench.peer",
+        "--port",
+        str(port),
+        "--pages",
+        str(SOURCE_PAGES),
+        "--page-bytes",
+        str(page_bytes),
+        "--name",
+        f"bench-source-{port}-{os.getpid()}",
+        "--lease-ms",
+        "60000",
+    ]
+    env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline() if proc.stdout else ""))
+        reader.start()
+        reader.join(120)
+        if not line or not line[0].startswith("READY "):
+            raise RuntimeError("the source replica did not start")
+        yield json.loads(line[0][len("READY ") :])
+    finally:
+        if proc.stdin:
+            proc.stdin.close()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+class _RawReader:
+    """A bare NIXL agent reading the given source pieces into host slots (the baseline)."""
+
+    def __init__(self, name: str, description: bytes, host: HostPool, pool_pieces: list[int]) -> None:
+        import msgspec
+        import numpy as np
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self._np = np
+        decoded = msgspec.msgpack.decode(description)
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        self.agent.create_backend("UCX", {})
+        span = host.allocation
+        self.registration = self.agent.register_memory([(span.address, span.nbytes, 0, "")], "DRAM")
+        peer = self.agent.add_remote_agent(decoded["metadata"])
+        self.peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+        remote_rows = [[r[1], r[4], 0, r[2], r[3]] for r in decoded["regions"] if r[0].startswith("kvcr/kv/")]
+        local_rows = [[r.base, r.piece_bytes, 0, r.stride, r.count] for r in host.regions]
+        if [row[1] for row in remote_rows] != pool_pieces:
+            raise RuntimeError("source geometry does not match the bench pool")
+        self.remote_count = remote_rows[0][4]
+        self.local_count = host.regions[0].count
+        self.remote = self.agent.prep_xfer_dlist(self.peer, np.array(remote_rows, dtype=np.uint64), "DRAM")
+        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(local_rows, dtype=np.uint64), "DRAM")
+        self.src_idx: Any = None
+        self.dst_idx: Any = None
+
+    def target(self, source_slots: list[int], host_slots: list[int]) -> None:
+        np = self._np
+        components = 2
+        self.src_idx = np.array(
+            [c * self.remote_count + s for c in range(components) for s in source_slots], dtype=np.int64
+        )
+        self.dst_idx = np.array([c * self.local_count + d for c in range(components) for d in host_slots], np.int64)
+
+    def read(self) -> None:
+        xfer = self.agent.make_prepped_xfer("READ", self.local, self.dst_idx, self.remote, self.src_idx)
+        state = self.agent.transfer(xfer)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(xfer)
+        xfer.release()
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL read ended {state}")
+
+    def close(self) -> None:
+        self.remote.release()
+        self.local.release()
+        self.agent.remove_remote_agent(self.peer)
+        self.agent.deregister_memory(self.registration)
+
+
+def run_remote(page_bytes: int, batches: list[int], reps: int, port: int = 45500) -> list[RemoteResult]:
+    pool = bench_pool(page_bytes)
+    settings = PeerSettings(operation_s=30.0, abandon_s=60.0, lease_s=60.0, lease_margin_s=1.0)
+    results = []
+    with _source(page_bytes, port) as info:
+        node = build_node(f"bench-target-{os.getpid()}-{port}", port + 1, page_bytes, 4, settings=settings)
+        memory = MmapHostMemory()
+        host = HostPool.allocate(memory, pool, SOURCE_PAGES)
+        scratch = memory.allocate(SOURCE_PAGES * page_bytes, "bench/memcpy")
+        node.register_host_pool("kv", host.regions)
+        keys: list[str] = info["keys"]
+        endpoint: str = info["endpoint"]
+        try:
+            lease = node.client.lease(endpoint, [("kv", k) for k in keys])
+            if lease is None or len(lease.slots) != len(keys) or lease.link is None:
+                raise RuntimeError("could not lease the source's pages")
+            from kvcr.adapters.zmq import ZmqControlChannel
+            from kvcr.runner.protocol import Codec, Hello, HelloReply
+
+            probe = ZmqControlChannel("127.0.0.1", port + 2)
+            try:
+                codec = Codec(None)
+                reply = codec.decode_reply(probe.request(endpoint, codec.encode(Hello(info["namespace"], "raw")), 10))
+            finally:
+                probe.close()
+            if not isinstance(reply, HelloReply):
+                raise RuntimeError("no HELLO reply from the source")
+            raw = _RawReader(
+                f"bench-raw-{os.getpid()}-{port}", reply.data_plane, host, [c.piece_bytes for c in pool.components]
+            )
+            try:
+                for batch in batches:
+                    results.append(_measure(node, raw, lease, host, scratch, keys[:batch], endpoint, reps))
+            finally:
+                raw.close()
+                node.client.release(lease)
+        finally:
+            node.close()
+            host.free()
+            memory.free(scratch)
+    return results
+
+
+def _measure(
+    node: Any, raw: _RawReader, lease: Any, host: HostPool, scratch: Any, keys: list[str], endpoint: str, reps: int
+) -> RemoteResult:
+    import ctypes
+
+    batch = len(keys)
+    page_bytes = sum(r.piece_bytes for r in host.regions)
+    slots = list(range(batch))
+    raw.target([lease.slots[("kv", k)] for k in keys], slots)
+    request = [PoolRead("kv", keys, slots)]
+    nbytes = batch * page_bytes
+
+    def kvcr_read() -> None:
+        if not all(o.restored for o in node.client.read(lease, request)["kv"]):
+            raise RuntimeError("a leased read did not restore every page")
+
+    def kvcr_restore() -> None:
+        if not all(o.restored for o in node.client.restore(endpoint, request)["kv"]):
+            raise RuntimeError("a restore did not restore every page")
+
+    def memcpy() -> None:
+        ctypes.memmove(scratch.address, host.allocation.address, nbytes)
+
+    host.zero()
+    kvcr_read()
+    verified = all(host.read(i) == page_pattern(k, page_bytes) for i, k in enumerate(keys))
+    if not verified:
+        raise RuntimeError("restored bytes differ from the source's pages")
+    calls: dict[str, Callable[[], None]] = {
+        "raw": raw.read,
+        "read": kvcr_read,
+        "restore": kvcr_restore,
+        "memcpy": memcpy,
+    }
+    for call in calls.values():
+        call()  # warm-up
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            samples[name].append(time.perf_counter() - start)
+    t: dict[str, Timing] = {name: timing(s) for name, s in samples.items()}
+    return RemoteResult(
+        page_bytes=page_bytes,
+        pages=batch,
+        reps=reps,
+        memcpy_p50_ms=t["memcpy"].p50 * 1e3,
+        raw_p50_ms=t["raw"].p50 * 1e3,
+        read_p50_ms=t["read"].p50 * 1e3,
+        read_p99_ms=t["read"].p99 * 1e3,
+        restore_p50_ms=t["restore"].p50 * 1e3,
+        restore_p99_ms=t["restore"].p99 * 1e3,
+        read_vs_raw=t["raw"].p50 / t["read"].p50,
+        restore_vs_raw=t["raw"].p50 / t["restore"].p50,
+        raw_vs_memcpy=t["memcpy"].p50 / t["raw"].p50,
+        verified=verified,
+    )
+
+
+def remote_table(results: list[RemoteResult]) -> str:
+    rows = [
+        [
+            f"{format_byte_size(r.page_bytes)} x {r.pages}",
+            f"{r.memcpy_p50_ms:.2f} / {r.gbps(r.memcpy_p50_ms):.1f}",
+            f"{r.raw_p50_ms:.2f} / {r.gbps(r.raw_p50_ms):.1f}",
+            f"{r.read_p50_ms:.2f} / {r.gbps(r.read_p50_ms):.1f}",
+            f"{r.restore_p50_ms:.2f} / {r.gbps(r.restore_p50_ms):.1f}",
+            f"{r.read_vs_raw:.2f}x",
+            f"{r.restore_vs_raw:.2f}x",
+            f"{r.read_p99_ms:.2f} / {r.restore_p99_ms:.2f}",
+        ]
+        for r in results
+    ]
+    header = [
+        "pages",
+        "memcpy ms / GB/s",
+        "raw NIXL READ",
+        "kvcr read (leased)",
+        "kvcr restore (lease+read+release)",
+        "read vs raw",
+        "restore vs raw",
+        "p99 read / restore ms",
+    ]
+    return markdown_table(header, rows)
+
+
+def as_dict(result: RemoteResult) -> dict[str, object]:
+    return asdict(result)
