@@ -64,7 +64,7 @@ def _write_json(path_text: str | None, data: object) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from kvcr.demo import run_demo
 
-    return run_demo(verbose=not args.quiet)
+    return run_demo(verbose=not args.quiet, peer=not args.local_only)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="back up, query and restore pages through a real runner")
     demo.add_argument("--quiet", action="store_true")
+    demo.add_argument("--local-only", action="store_true", help="skip the two-replica NIXL part")
     demo.set_defaults(func=_demo)
 
     bench = commands.add_parser("bench", help="benchmarks (ratios against a baseline in the same run)")

@@ -59,7 +59,7 @@ class RemoteResult:
 
 
 @contextlib.contextmanager
-def _source(page_bytes: int, port: int) -> Iterator[dict[str, Any]]:
+def source_replica(page_bytes: int, port: int) -> Iterator[dict[str, Any]]:
     cmd = [
         sys.executable,
         "-m",
@@ -149,7 +149,7 @@ def run_remote(page_bytes: int, batches: list[int], reps: int, port: int = 45500
     pool = bench_pool(page_bytes)
     settings = PeerSettings(operation_s=30.0, abandon_s=60.0, lease_s=60.0, lease_margin_s=1.0)
     results = []
-    with _source(page_bytes, port) as info:
+    with source_replica(page_bytes, port) as info:
         node = build_node(f"bench-target-{os.getpid()}-{port}", port + 1, page_bytes, 4, settings=settings)
         memory = MmapHostMemory()
         host = HostPool.allocate(memory, pool, SOURCE_PAGES)

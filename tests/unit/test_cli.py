@@ -6,7 +6,7 @@ from kvcr.cli import main
 
 
 def test_demo_succeeds(capsys):
-    assert main(["demo"]) == 0
+    assert main(["demo", "--local-only"]) == 0
     assert "bytes equal: True" in capsys.readouterr().out
 
 
