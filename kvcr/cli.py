@@ -47,7 +47,7 @@ def _bench_remote(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     results = []
     for i, size in enumerate(_sizes(args.page_sizes)):
-        results.extend(run_remote(size, batches, args.reps, port=args.port + 10 * i))
+        results.extend(run_remote(size, batches, args.reps, port=args.port + 10 * i if args.port else None))
         print(f"  measured {size} B pages", file=sys.stderr)
     print(remote_table(results))
     _write_json(args.json, [as_dict(r) for r in results])
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument("--page-sizes", default="64KiB,2MiB,8MiB")
     remote.add_argument("--batches", default="32,128")
     remote.add_argument("--reps", type=int, default=20)
-    remote.add_argument("--port", type=int, default=45500, help="first loopback port to use")
+    remote.add_argument("--port", type=int, default=0, help="first of the loopback ports to use (default: free ones)")
     remote.add_argument("--json", default="bench-results/remote.json")
     remote.set_defaults(func=_bench_remote)
     return parser

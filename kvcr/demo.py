@@ -74,13 +74,14 @@ def run_demo(verbose: bool = True, peer: bool = True) -> int:
     return 0 if local_ok and (not peer or run_peer_demo(say)) else 1
 
 
-def run_peer_demo(say: Callable[[str], None], port: int = 45900) -> bool:
+def run_peer_demo(say: Callable[[str], None], port: int | None = None) -> bool:
     """A second replica (another process) serves its pages; this one leases and reads them over NIXL."""
-    from kvcr.bench.peer import HostPool, bench_pool, build_node, page_pattern
+    from kvcr.bench.peer import HostPool, bench_pool, build_node, free_port_block, page_pattern
     from kvcr.bench.remote import source_replica
     from kvcr.runner.peer_client import PoolRead
 
     page_bytes = 2 * PIECE
+    port = port or free_port_block(2)
     with source_replica(page_bytes, port) as info:
         say(f"replica A (another process) serves {info['stored']} pages at {info['endpoint']}")
         node = build_node(f"demo-replica-b-{port}", port + 1, page_bytes, 4)

@@ -73,3 +73,10 @@ def make_runner(pools, slots, memory, clock, metrics, inventory, **changes) -> K
     return KvcrRunner(
         runner_config(tuple(pools), slots, **changes), memory=memory, clock=clock, metrics=metrics, inventory=inventory
     )
+
+
+def free_port(count: int = 1) -> int:
+    """The first of ``count`` consecutive free loopback ports (never fixed ports: see free_port_block)."""
+    from kvcr.bench.peer import free_port_block
+
+    return free_port_block(count)

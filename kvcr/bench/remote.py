@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvcr.adapters.local import MmapHostMemory
-from kvcr.bench.peer import HostPool, bench_pool, build_node, page_pattern
+from kvcr.bench.peer import HostPool, bench_pool, build_node, free_port_block, page_pattern
 from kvcr.bench.stats import Timing, markdown_table, timing
 from kvcr.domain.units import format_byte_size
 from kvcr.runner.peer_client import PeerSettings, PoolRead
@@ -145,7 +145,9 @@ class _RawReader:
         self.agent.deregister_memory(self.registration)
 
 
-def run_remote(page_bytes: int, batches: list[int], reps: int, port: int = 45500) -> list[RemoteResult]:
+def run_remote(page_bytes: int, batches: list[int], reps: int, port: int | None = None) -> list[RemoteResult]:
+    """Measure every batch for one page size; ``port`` starts a block of 3 (free ones by default)."""
+    port = port or free_port_block(3)
     pool = bench_pool(page_bytes)
     settings = PeerSettings(operation_s=30.0, abandon_s=60.0, lease_s=60.0, lease_margin_s=1.0)
     results = []

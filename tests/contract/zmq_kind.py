@@ -5,19 +5,16 @@ Servers bind ports this kind picks free on 127.0.0.1 instead of the suite's fixe
 port the "nobody listening" contract test dials.
 """
 
-import socket
-
 from kvcr.adapters.zmq import ZmqControlChannel
+from tests.support import free_port as any_free_port
 
 NOBODY_LISTENS = 41999  # dialled by test_nobody_listening_is_peer_unavailable
 
 
 def free_port(avoid=(NOBODY_LISTENS,)):
-    """A loopback TCP port nothing listens on right now."""
+    """A loopback TCP port nothing listens on right now (never the one the contract dials)."""
     while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = any_free_port()
         if port not in avoid:
             return port
 

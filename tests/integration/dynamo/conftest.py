@@ -1,13 +1,13 @@
 """Dynamo integration tests: ai-dynamo-runtime's real SelectionService and pyzmq sockets, loopback only."""
 
 import contextlib
-import socket
 import time
 
 import pytest
 
 # SGLang's cache directories and the torchvision stub must be in place before anything here imports SGLang.
 import tests.integration.sglang.conftest  # noqa: F401
+from tests.support import free_port as free_port  # re-exported for these tests
 
 
 def pytest_collection_modifyitems(items):
@@ -15,13 +15,6 @@ def pytest_collection_modifyitems(items):
         if "integration/dynamo" in str(item.fspath):
             item.add_marker(pytest.mark.dynamo)
             item.add_marker(pytest.mark.zmq)
-
-
-def free_port() -> int:
-    """A loopback TCP port nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def loopback() -> str:

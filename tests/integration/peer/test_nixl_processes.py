@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import signal
@@ -21,12 +20,12 @@ from kvcr.domain.outcomes import Outcome
 from kvcr.ports.errors import PeerRefused
 from kvcr.runner.peer_client import PeerSettings, PoolRead
 from kvcr.runner.protocol import Codec, Hello, HelloReply
+from tests.support import free_port
 
 pytestmark = [pytest.mark.nixl, pytest.mark.zmq, pytest.mark.multiprocess]
 
 REPO = Path(__file__).resolve().parents[3]
 PAGE = 256 * 1024
-_ports = itertools.count(44100, 7)  # steps of 7: the remote bench uses port, port+1 and port+2
 SETTINGS = PeerSettings(operation_s=3.0, abandon_s=6.0, lease_s=8.0, lease_margin_s=0.5, retry_after_s=0.2)
 
 
@@ -34,7 +33,7 @@ class Source:
     """A kvcr replica in another process, holding ``pages`` known pages."""
 
     def __init__(self, pages: int, page_bytes: int = PAGE, token_file: str | None = None, port: int | None = None):
-        self.port = port or next(_ports)
+        self.port = port or free_port()
         cmd = [
             sys.executable,
             "-m",
@@ -103,7 +102,7 @@ def target():
 
     def make(page_bytes: int = PAGE, slots: int = 8, token: bytes | None = None, pages: int = 256):
         node = build_node(
-            f"target-{time.monotonic_ns()}", next(_ports), page_bytes, slots, token=token, settings=SETTINGS
+            f"target-{time.monotonic_ns()}", free_port(), page_bytes, slots, token=token, settings=SETTINGS
         )
         host = HostPool.allocate(MmapHostMemory(), bench_pool(page_bytes), pages)
         node.register_host_pool("kv", host.regions)
@@ -189,7 +188,7 @@ def test_version_mismatch_and_wrong_token_are_refused_without_metadata(sources, 
     token_file = tmp_path / "token"
     token_file.write_bytes(b"0123456789abcdef-cluster-secret")
     source = sources(4, token_file=str(token_file))
-    client = ZmqControlChannel("127.0.0.1", next(_ports))
+    client = ZmqControlChannel("127.0.0.1", free_port())
     try:
         hello = Hello(source.info["namespace"], "intruder")
         for codec in (Codec(b"wrong-token-wrong-token"), Codec(None)):
@@ -215,7 +214,7 @@ def test_the_remote_benchmark_command_runs_and_verifies_bytes(tmp_path, capsys):
     from kvcr.cli import main
 
     out = tmp_path / "remote.json"
-    port = next(_ports)
+    port = free_port()
     args = [
         "bench",
         "remote",

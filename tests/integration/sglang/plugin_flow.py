@@ -28,7 +28,7 @@ def main() -> None:
         load_plugins()
 
     # Replica A holds the prefix in its kvcr DRAM.
-    port_a, port_b = 47400, 47420
+    port_a, port_b = sg.free_port(), sg.free_port()
     host_a = sg.mha_host("page_first")
     a = KvcrHiCacheStorage(sg.storage_config(control_port=port_a), {})
     a.register_mem_pool_host(host_a)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import threading
 from typing import Any
 
@@ -15,12 +14,9 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
+from tests.support import free_port as free_port  # re-exported for these tests
+
 P, L, H, D, MLA_DIM = 16, 4, 2, 8, 12
-_ports = itertools.count(43100, 20)
-
-
-def free_port() -> int:
-    return next(_ports)
 
 
 def mha_host(layout: str, device_tokens: int = 128) -> Any:

@@ -107,7 +107,7 @@ def test_stale_hints_dead_peers_and_hints_without_the_flag_are_misses(replicas):
 
 
 def test_replicated_mla_only_the_writer_stores_and_other_ranks_read_from_it(replicas):
-    base = sg.free_port()
+    base = sg.free_port(2)  # rank 0 and rank 1 bind base and base + 1
     stores = []
     hosts = []
     for rank in range(2):
@@ -183,12 +183,14 @@ def test_fail_stop_really_ends_the_process_with_a_log_line(tmp_path):
             store.register_mem_pool_host(host); store.register_mem_host_pool_v2(host, "kv")
             store.on_host_pools_registered()
             return store, host
-        a, host_a = make(port=47000)
-        b, host_b = make(port=47100, enable_remote_hint=True, operation_timeout_ms=100, abandon_timeout_ms=200)
+        port_a = sg.free_port()
+        a, host_a = make(port=port_a)
+        b, host_b = make(port=sg.free_port(), enable_remote_hint=True, operation_timeout_ms=100,
+                         abandon_timeout_ms=200)
         keys = sg.hashes(2)
         a.batch_set_v1(keys, host_a.alloc(2 * sg.P))
         a.node.data_plane.set_faults(Faults(stall=True, uncertain_cancel=True))
-        b.batch_get_v1(keys, host_b.alloc(2 * sg.P), hint(47000, keys))
+        b.batch_get_v1(keys, host_b.alloc(2 * sg.P), hint(port_a, keys))
         print("still alive")
         """
     ) % str(sg.__file__.rsplit("/tests/", 1)[0])
