@@ -28,16 +28,25 @@ def _bench_local(args: argparse.Namespace) -> int:
 
 
 def _bench_sglang(args: argparse.Namespace) -> int:
-    from kvcr.bench.sglang import LAYER_BYTES, as_dict, run_sglang, sglang_table
+    from kvcr.bench.sglang import LAYER_BYTES, as_dict, run_sglang, run_sglang_remote, sglang_remote_table, sglang_table
 
-    results = []
-    for size in _sizes(args.page_sizes):
+    sizes = _sizes(args.page_sizes)
+    for size in sizes:
         if size % LAYER_BYTES:
             raise SystemExit(f"--page-sizes: {size} is not a multiple of one layer ({LAYER_BYTES} bytes)")
+    results = []
+    for size in sizes:
         results.append(run_sglang(size // LAYER_BYTES, args.pages, args.reps))
-        print(f"  measured {size} B pages", file=sys.stderr)
+        print(f"  measured {size} B pages (local)", file=sys.stderr)
     print(sglang_table(results))
-    _write_json(args.json, [as_dict(r) for r in results])
+    remote = []
+    if not args.local_only:
+        for size in sizes:
+            remote.append(run_sglang_remote(size // LAYER_BYTES, args.pages, args.reps))
+            print(f"  measured {size} B pages (hinted remote)", file=sys.stderr)
+        print()
+        print(sglang_remote_table(remote))
+    _write_json(args.json, {"local": [as_dict(r) for r in results], "remote": [as_dict(r) for r in remote]})
     return 0
 
 
@@ -89,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     sglang.add_argument("--pages", type=int, default=128)
     sglang.add_argument("--reps", type=int, default=10)
     sglang.add_argument("--json", default="bench-results/sglang.json")
+    sglang.add_argument("--local-only", action="store_true", help="skip the hinted remote part (two processes)")
     sglang.set_defaults(func=_bench_sglang)
     remote = which.add_parser("remote", help="peer restore over NIXL vs raw NIXL READ vs memcpy (2 processes)")
     remote.add_argument("--page-sizes", default="64KiB,2MiB,8MiB")

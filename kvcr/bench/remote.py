@@ -25,13 +25,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvcr.adapters.local import MmapHostMemory
 from kvcr.bench.peer import HostPool, bench_pool, build_node, free_port_block, page_pattern
 from kvcr.bench.stats import Timing, markdown_table, timing
+from kvcr.domain.layout import RegionDescriptor
 from kvcr.domain.units import format_byte_size
 from kvcr.runner.peer_client import PeerSettings, PoolRead
 
@@ -59,29 +60,17 @@ class RemoteResult:
 
 
 @contextlib.contextmanager
-def source_replica(page_bytes: int, port: int) -> Iterator[dict[str, Any]]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvcr.bench.peer",
-        "--port",
-        str(port),
-        "--pages",
-        str(SOURCE_PAGES),
-        "--page-bytes",
-        str(page_bytes),
-        "--name",
-        f"bench-source-{port}-{os.getpid()}",
-        "--lease-ms",
-        "60000",
-    ]
+def source_replica_process(module_args: list[str]) -> Iterator[dict[str, Any]]:
+    """Run ``python <module_args>`` until it prints ``READY {json}``; yield the json; stop it after."""
     env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, *module_args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         line: list[str] = []
         reader = threading.Thread(target=lambda: line.append(proc.stdout.readline() if proc.stdout else ""))
         reader.start()
-        reader.join(120)
+        reader.join(180)
         if not line or not line[0].startswith("READY "):
             raise RuntimeError("the source replica did not start")
         yield json.loads(line[0][len("READY ") :])
@@ -94,10 +83,53 @@ def source_replica(page_bytes: int, port: int) -> Iterator[dict[str, Any]]:
             proc.kill()
 
 
-class _RawReader:
+def source_replica(page_bytes: int, port: int) -> contextlib.AbstractContextManager[dict[str, Any]]:
+    """A ``kvcr.bench.peer`` replica holding SOURCE_PAGES known pages of ``page_bytes``."""
+    return source_replica_process(
+        [
+            "-m",
+            "kvcr.bench.peer",
+            "--port",
+            str(port),
+            "--pages",
+            str(SOURCE_PAGES),
+            "--page-bytes",
+            str(page_bytes),
+            "--name",
+            f"bench-source-{port}-{os.getpid()}",
+            "--lease-ms",
+            "60000",
+        ]
+    )
+
+
+def data_plane_description(endpoint: str, namespace: str, port: int) -> bytes:
+    """Ask a source for its data-plane description with a plain HELLO (for the raw baseline)."""
+    from kvcr.adapters.zmq import ZmqControlChannel
+    from kvcr.runner.protocol import Codec, Hello, HelloReply
+
+    probe = ZmqControlChannel("127.0.0.1", port)
+    try:
+        codec = Codec(None)
+        reply = codec.decode_reply(probe.request(endpoint, codec.encode(Hello(namespace, "raw")), 10))
+    finally:
+        probe.close()
+    if not isinstance(reply, HelloReply):
+        raise RuntimeError("no HELLO reply from the source")
+    return reply.data_plane
+
+
+class RawReader:
     """A bare NIXL agent reading the given source pieces into host slots (the baseline)."""
 
-    def __init__(self, name: str, description: bytes, host: HostPool, pool_pieces: list[int]) -> None:
+    def __init__(
+        self,
+        name: str,
+        description: bytes,
+        regions: Sequence[RegionDescriptor],
+        span: tuple[int, int],
+        pool_pieces: list[int],
+    ) -> None:
         import msgspec
         import numpy as np
         from nixl._api import nixl_agent, nixl_agent_config
@@ -106,16 +138,15 @@ class _RawReader:
         decoded = msgspec.msgpack.decode(description)
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
         self.agent.create_backend("UCX", {})
-        span = host.allocation
-        self.registration = self.agent.register_memory([(span.address, span.nbytes, 0, "")], "DRAM")
+        self.registration = self.agent.register_memory([(span[0], span[1], 0, "")], "DRAM")
         peer = self.agent.add_remote_agent(decoded["metadata"])
         self.peer = peer.decode() if isinstance(peer, bytes) else str(peer)
         remote_rows = [[r[1], r[4], 0, r[2], r[3]] for r in decoded["regions"] if r[0].startswith("kvcr/kv/")]
-        local_rows = [[r.base, r.piece_bytes, 0, r.stride, r.count] for r in host.regions]
+        local_rows = [[r.base, r.piece_bytes, 0, r.stride, r.count] for r in regions]
         if [row[1] for row in remote_rows] != pool_pieces:
             raise RuntimeError("source geometry does not match the bench pool")
         self.remote_count = remote_rows[0][4]
-        self.local_count = host.regions[0].count
+        self.local_count = regions[0].count
         self.remote = self.agent.prep_xfer_dlist(self.peer, np.array(remote_rows, dtype=np.uint64), "DRAM")
         self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(local_rows, dtype=np.uint64), "DRAM")
         self.src_idx: Any = None
@@ -163,19 +194,13 @@ def run_remote(page_bytes: int, batches: list[int], reps: int, port: int | None 
             lease = node.client.lease(endpoint, [("kv", k) for k in keys])
             if lease is None or len(lease.slots) != len(keys) or lease.link is None:
                 raise RuntimeError("could not lease the source's pages")
-            from kvcr.adapters.zmq import ZmqControlChannel
-            from kvcr.runner.protocol import Codec, Hello, HelloReply
-
-            probe = ZmqControlChannel("127.0.0.1", port + 2)
-            try:
-                codec = Codec(None)
-                reply = codec.decode_reply(probe.request(endpoint, codec.encode(Hello(info["namespace"], "raw")), 10))
-            finally:
-                probe.close()
-            if not isinstance(reply, HelloReply):
-                raise RuntimeError("no HELLO reply from the source")
-            raw = _RawReader(
-                f"bench-raw-{os.getpid()}-{port}", reply.data_plane, host, [c.piece_bytes for c in pool.components]
+            description = data_plane_description(endpoint, info["namespace"], port + 2)
+            raw = RawReader(
+                f"bench-raw-{os.getpid()}-{port}",
+                description,
+                host.regions,
+                (host.allocation.address, host.allocation.nbytes),
+                [c.piece_bytes for c in pool.components],
             )
             try:
                 for batch in batches:
@@ -191,7 +216,7 @@ def run_remote(page_bytes: int, batches: list[int], reps: int, port: int | None 
 
 
 def _measure(
-    node: Any, raw: _RawReader, lease: Any, host: HostPool, scratch: Any, keys: list[str], endpoint: str, reps: int
+    node: Any, raw: RawReader, lease: Any, host: HostPool, scratch: Any, keys: list[str], endpoint: str, reps: int
 ) -> RemoteResult:
     import ctypes
 

@@ -33,7 +33,7 @@ PAGE_TOKENS, HEADS, HEAD_DIM = 64, 8, 128
 LAYER_BYTES = 2 * PAGE_TOKENS * HEADS * HEAD_DIM * 2  # K and V of one layer of one page, bf16
 
 
-def _prepare_environment() -> None:
+def prepare_environment() -> None:
     repo = Path(__file__).resolve().parents[2]
     for var, sub in (
         ("SGLANG_CACHE_DIR", "sglang"),
@@ -61,7 +61,7 @@ class SglangResult:
     verified: bool
 
 
-def _host_pool(layers: int, pages: int) -> Any:
+def host_pool(layers: int, pages: int) -> Any:
     import torch
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.common import make_kernel_ptr_table
@@ -101,14 +101,14 @@ def _host_pool(layers: int, pages: int) -> Any:
 
 
 def run_sglang(layers: int, pages: int, reps: int) -> SglangResult:
-    _prepare_environment()
+    prepare_environment()
     import torch
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
     from sglang.srt.mem_cache.utils import get_hash_str
 
     page_bytes = layers * LAYER_BYTES
-    host = _host_pool(layers, 2 * pages)
+    host = host_pool(layers, 2 * pages)
     host.kv_buffer.view(torch.int16).random_()
     extra = {
         "backend_name": "kvcr",
@@ -223,5 +223,142 @@ def sglang_table(results: list[SglangResult]) -> str:
     return markdown_table(header, rows)
 
 
-def as_dict(result: SglangResult) -> dict[str, object]:
+def as_dict(result: SglangResult | SglangRemoteResult) -> dict[str, object]:
     return asdict(result)
+
+
+@dataclass(frozen=True, slots=True)
+class SglangRemoteResult:
+    page_bytes: int
+    pages: int
+    reps: int
+    raw_gbps: float
+    get_gbps: float
+    exists_and_get_gbps: float
+    get_vs_raw: float
+    exists_and_get_vs_raw: float
+    verified: bool
+
+
+def run_sglang_remote(layers: int, pages: int, reps: int) -> SglangRemoteResult:
+    """Hinted remote restore through SGLang's calls vs a raw NIXL READ of the same pieces.
+
+    Replica A (``kvcr.bench.sglang_peer``, another process) holds the pages. Replica B is a kvcr
+    backend built by SGLang's factory. Per repetition, interleaved: a raw NIXL READ of A's leased
+    pieces into B's destination host slots; ``batch_exists`` with the hint (LEASE) then
+    ``batch_get_v1`` (the READ, timed alone as "get" and with the hit query as "exists+get").
+    """
+    prepare_environment()
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    from kvcr.bench.peer import free_port_block
+    from kvcr.bench.remote import RawReader, data_plane_description, source_replica_process
+    from kvcr.bench.sglang_peer import backend, expected_pages, storage_config
+    from kvcr.domain.keys import router_id
+
+    page_bytes = layers * LAYER_BYTES
+    port = free_port_block(3)
+    cmd = [
+        "-m",
+        "kvcr.bench.sglang_peer",
+        "--port",
+        str(port),
+        "--pages",
+        str(pages),
+        "--layers",
+        str(layers),
+        "--seed",
+        "3",
+    ]
+    with source_replica_process(cmd) as info:
+        host = host_pool(layers, pages)
+        store = backend(host, storage_config(port + 1, enable_remote_hint=True, dram_bytes=page_bytes * 4))
+        keys: list[str] = info["keys"]
+        envelope = {
+            "protocol_version": "0.1",
+            "message_id": "bench",
+            "actions": [
+                {
+                    "action_id": "a1",
+                    "action_type": "kv.fetch",
+                    "action_version": "1.0",
+                    "payload": {
+                        "source_control_endpoint": info["endpoint"],
+                        "block_hashes": [router_id(k) for k in keys],
+                    },
+                }
+            ],
+        }
+        hint = HiCacheStorageExtraInfo(extra_info={"kv_hints": envelope})
+        dst = torch.arange(pages * PAGE_TOKENS, dtype=torch.int64)
+        regions = store.runner.pool_host_regions("kv")
+        raw = None
+        try:
+            lease = store.node.client.lease(info["endpoint"], [("kv", k) for k in keys])
+            if lease is None or len(lease.slots) != pages:
+                raise RuntimeError("could not lease replica A's pages")
+            description = data_plane_description(info["endpoint"], store.runner.namespace, port + 2)
+            span = (host.kv_buffer.data_ptr(), host.kv_buffer.numel() * host.kv_buffer.element_size())
+            raw = RawReader(
+                f"bench-sglang-raw-{os.getpid()}", description, regions, span, [r.piece_bytes for r in regions]
+            )
+            raw.target([lease.slots[("kv", k)] for k in keys], list(range(pages)))
+            store.node.client.release(lease)
+
+            def exists_and_get() -> float:
+                if store.batch_exists(keys, hint) != pages:
+                    raise RuntimeError("the hinted hit query did not count every page")
+                started = time.perf_counter()
+                if not all(store.batch_get_v1(keys, dst, hint)):
+                    raise RuntimeError("the hinted read did not restore every page")
+                return time.perf_counter() - started
+
+            host.kv_buffer.zero_()
+            exists_and_get()
+            verified = bool(torch.equal(host.kv_buffer.view(torch.int16), expected_pages(layers, pages, seed=3)))
+            if not verified:
+                raise RuntimeError("hinted restore bytes differ from replica A's pages")
+            raw.read()
+            raw_s, get_s, both_s = [], [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                raw.read()
+                t1 = time.perf_counter()
+                get_only = exists_and_get()
+                t2 = time.perf_counter()
+                raw_s.append(t1 - t0)
+                get_s.append(get_only)
+                both_s.append(t2 - t1)
+        finally:
+            if raw is not None:
+                raw.close()
+            store.close()
+    nbytes = pages * page_bytes
+    r, g, b = timing(raw_s), timing(get_s), timing(both_s)
+    return SglangRemoteResult(
+        page_bytes, pages, reps, r.gbps(nbytes), g.gbps(nbytes), b.gbps(nbytes), r.p50 / g.p50, r.p50 / b.p50, verified
+    )
+
+
+def sglang_remote_table(results: list[SglangRemoteResult]) -> str:
+    rows = [
+        [
+            f"{format_byte_size(r.page_bytes)} x {r.pages}",
+            f"{r.raw_gbps:.1f}",
+            f"{r.get_gbps:.1f}",
+            f"{r.exists_and_get_gbps:.1f}",
+            f"{r.get_vs_raw:.2f}x",
+            f"{r.exists_and_get_vs_raw:.2f}x",
+        ]
+        for r in results
+    ]
+    header = [
+        "pages",
+        "raw NIXL READ GB/s",
+        "hinted batch_get_v1 GB/s",
+        "batch_exists + batch_get_v1 GB/s",
+        "get vs raw",
+        "exists+get vs raw",
+    ]
+    return markdown_table(header, rows)

@@ -230,6 +230,8 @@ def test_v2_all_pages_sidecar_gates_the_kv_hit():
         store.close()
 
 
+@pytest.mark.nixl
+@pytest.mark.multiprocess
 def test_the_sglang_benchmark_command_runs_and_verifies_bytes(tmp_path, capsys):
     import json
 
@@ -238,6 +240,9 @@ def test_the_sglang_benchmark_command_runs_and_verifies_bytes(tmp_path, capsys):
     out = tmp_path / "sglang.json"
     args = ["bench", "sglang", "--page-sizes", "256KiB", "--pages", "4", "--reps", "1", "--json", str(out)]
     assert main(args) == 0
-    assert "batch_set_v1" in capsys.readouterr().out
-    [result] = json.loads(out.read_text())
-    assert result["verified"] is True and result["page_bytes"] == 256 * 1024
+    printed = capsys.readouterr().out
+    assert "batch_set_v1" in printed and "hinted batch_get_v1" in printed
+    results = json.loads(out.read_text())
+    [local], [remote] = results["local"], results["remote"]
+    assert local["verified"] is True and local["page_bytes"] == 256 * 1024
+    assert remote["verified"] is True and remote["pages"] == 4

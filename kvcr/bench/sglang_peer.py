@@ -1,0 +1,99 @@
+"""An SGLang replica for cross-process tests and benchmarks: kvcr as its HiCache backend over NIXL.
+
+``python -m kvcr.bench.sglang_peer --port P --pages N --layers L`` builds SGLang 0.5.23's real
+``MHATokenToKVPoolHost`` (the shape of ``kvcr.bench.sglang``), creates ``KvcrHiCacheStorage``
+through SGLang's storage factory with transport ``nixl`` and control port ``P``, fills ``N`` pages
+from a seeded generator, backs them up with ``batch_set_v1``, prints one ``READY {json}`` line
+(port, endpoint, page keys) and serves until stdin closes or it is killed. Another process can
+rebuild the same bytes with :func:`expected_pages`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvcr.bench.sglang import LAYER_BYTES, PAGE_TOKENS, host_pool, prepare_environment
+
+
+def storage_config(port: int, **settings: Any) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    extra = {
+        "backend_name": "kvcr",
+        "module_path": "kvcr.integrations.sglang",
+        "class_name": "KvcrHiCacheStorage",
+        "interface_v1": 1,
+        "transport": "nixl",
+        "control_port": port,
+        "dram_bytes": "256MiB",
+    }
+    extra.update(settings)
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="bench",
+        extra_config=extra,
+    )
+
+
+def backend(host: Any, config: Any) -> Any:
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    store = StorageBackendFactory.create_backend("dynamic", config, host)
+    store.register_mem_pool_host(host)
+    store.register_mem_host_pool_v2(host, "kv")
+    store.on_host_pools_registered()
+    return store
+
+
+def page_keys(pages: int) -> list[str]:
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    return list(get_hash_str(list(range(7, 7 + pages * PAGE_TOKENS)), None, page_size=PAGE_TOKENS))
+
+
+def expected_pages(layers: int, pages: int, seed: int) -> Any:
+    """The source's page bytes, as int16 (bit patterns: random bf16 includes NaNs)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, pages * PAGE_TOKENS, layers, 8, 128)
+    return torch.randint(-(1 << 15), 1 << 15, shape, generator=gen, dtype=torch.int16)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--pages", type=int, required=True)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    prepare_environment()
+    import torch
+
+    host = host_pool(args.layers, args.pages)
+    host.kv_buffer.view(torch.int16).copy_(expected_pages(args.layers, args.pages, args.seed))
+    store = backend(host, storage_config(args.port, dram_bytes=args.pages * args.layers * LAYER_BYTES))
+    keys = page_keys(args.pages)
+    stored = store.batch_set_v1(keys, torch.arange(args.pages * PAGE_TOKENS, dtype=torch.int64))
+    info = {"port": args.port, "endpoint": store.node.endpoint, "stored": sum(stored), "keys": keys}
+    print("READY " + json.dumps(info), flush=True)
+    try:
+        sys.stdin.read()
+    finally:
+        store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
