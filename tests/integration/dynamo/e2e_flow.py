@@ -26,7 +26,6 @@ MODEL = "test-model"  # what sg.controller names the model (the namespace must m
 def main() -> None:
     from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
     from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
     from sglang.srt.mem_cache.utils import get_hash_str
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import get_parallel
@@ -86,23 +85,10 @@ def main() -> None:
         kv_hints = kv_hints_from_request({"request_id": "req-e2e", "token_ids": tokens, "kv_hint": hint})
         req = SimpleNamespace(rid="req-e2e", kv_hints=decode_kv_hints_envelope(kv_hints) if kv_hints else None)
         Scheduler._prefetch_kvcache(SimpleNamespace(enable_hicache_storage=False, enable_lmcache=False), req)
-        op = ctrl_b.prefetch(CacheRequestHandle(rid="req-e2e", attempt_id=0), tokens, None, None)
-        hit = ctrl_b.prefetch_hit_queue.get(timeout=30)
-        assert hit is op
+        op, dst, completed = sg.prefetch(ctrl_b, "req-e2e", tokens)
         result["hit_tokens"] = op.storage_hit_count
         result["bytes_equal"] = False
-        if op.storage_hit_count:
-            dst, _ = ctrl_b.allocate_storage_hit(
-                op, op.storage_hit_count, allow_partial=True, min_tokens=sg.P, evict_host=lambda n: 0
-            )
-            op.host_indices = dst
-            ctrl_b.prefetch_buffer.put(op)
-            completed = 0
-            while True:
-                ack = ctrl_b.ack_prefetch_queue.get(timeout=30)
-                completed = max(completed, ack.completed_tokens or 0)
-                if ack.completed_req:
-                    break
+        if dst is not None:
             result["prefetched_tokens"] = completed
             result["bytes_equal"] = sg.pages_equal(host_a, src, host_b, dst)
         result["a_leases_left"] = a.runner.active_leases

@@ -13,7 +13,6 @@ import tests.integration.sglang.conftest  # noqa: F401  (cache dirs, torchvision
 def main() -> None:
     from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
     from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
     from sglang.srt.mem_cache.utils import get_hash_str
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import get_parallel
@@ -62,22 +61,9 @@ def main() -> None:
     # The scheduler's entry point to storage prefetch (storage disabled on this stub: the hook
     # sees the request, the body returns at once).
     Scheduler._prefetch_kvcache(SimpleNamespace(enable_hicache_storage=False, enable_lmcache=False), req)
-    op = ctrl.prefetch(CacheRequestHandle(rid="req-7", attempt_id=0), tokens, None, None)
-    hit = ctrl.prefetch_hit_queue.get(timeout=20)
-    assert hit is op
+    op, dst, completed = sg.prefetch(ctrl, "req-7", tokens, timeout=20)
     result = {"hit_tokens": op.storage_hit_count, "bytes_equal": False}
-    if op.storage_hit_count:
-        dst, _ = ctrl.allocate_storage_hit(
-            op, op.storage_hit_count, allow_partial=True, min_tokens=sg.P, evict_host=lambda n: 0
-        )
-        op.host_indices = dst
-        ctrl.prefetch_buffer.put(op)
-        completed = 0
-        while True:
-            ack = ctrl.ack_prefetch_queue.get(timeout=20)
-            completed = max(completed, ack.completed_tokens or 0)
-            if ack.completed_req:
-                break
+    if dst is not None:
         result["prefetched_tokens"] = completed
         result["bytes_equal"] = sg.pages_equal(host_a, src, host_b, dst)
     ctrl.detach_storage_backend()

@@ -202,3 +202,28 @@ def controller(host: Any, **settings: Any) -> Any:
         storage_backend_extra_config=extra_config(**settings),
     )
     return ctrl, group
+
+
+def prefetch(ctrl: Any, rid: str, tokens: list[int], timeout: float = 30.0) -> tuple[Any, Any, int]:
+    """Drive SGLang's controller through one storage prefetch the way the scheduler does.
+
+    Returns the operation, the host indices it filled (None on no hit) and the prefetched tokens.
+    """
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+    op = ctrl.prefetch(CacheRequestHandle(rid=rid, attempt_id=0), tokens, None, None)
+    if ctrl.prefetch_hit_queue.get(timeout=timeout) is not op:
+        raise AssertionError("the controller answered another operation's hit query")
+    if not op.storage_hit_count:
+        return op, None, 0
+    dst, _ = ctrl.allocate_storage_hit(
+        op, op.storage_hit_count, allow_partial=True, min_tokens=P, evict_host=lambda n: 0
+    )
+    op.host_indices = dst
+    ctrl.prefetch_buffer.put(op)
+    completed = 0
+    while True:
+        ack = ctrl.ack_prefetch_queue.get(timeout=timeout)
+        completed = max(completed, ack.completed_tokens or 0)
+        if ack.completed_req:
+            return op, dst, completed

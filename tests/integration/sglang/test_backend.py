@@ -120,7 +120,6 @@ def test_malformed_hints_mean_local_only(caplog):
 
 
 def test_real_controller_backs_up_queries_and_prefetches_through_kvcr():
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
     from sglang.srt.mem_cache.utils import get_hash_str
 
     host = sg.mha_host("page_first")
@@ -136,20 +135,8 @@ def test_real_controller_backs_up_queries_and_prefetches_through_kvcr():
         ctrl.write_storage(src, tokens, hash_value=hashes, prefix_keys=None)
         assert ctrl.ack_backup_queue.get(timeout=10).completed_tokens == 5 * sg.P
 
-        op = ctrl.prefetch(CacheRequestHandle(rid="r1", attempt_id=0), tokens, None, None)
-        assert ctrl.prefetch_hit_queue.get(timeout=10) is op
+        op, dst, completed = sg.prefetch(ctrl, "r1", tokens, timeout=10)
         assert op.storage_hit_count == 5 * sg.P
-        dst, _ = ctrl.allocate_storage_hit(
-            op, op.storage_hit_count, allow_partial=True, min_tokens=sg.P, evict_host=lambda n: 0
-        )
-        op.host_indices = dst
-        ctrl.prefetch_buffer.put(op)
-        completed = 0
-        while True:
-            ack = ctrl.ack_prefetch_queue.get(timeout=10)
-            completed = max(completed, ack.completed_tokens or 0)
-            if ack.completed_req:
-                break
         assert completed == 5 * sg.P
         assert sg.pages_equal(host, src, host, dst)
         metrics = store.get_stats()
