@@ -100,26 +100,21 @@ def host_pool(layers: int, pages: int) -> Any:
     )
 
 
-def run_sglang(layers: int, pages: int, reps: int) -> SglangResult:
-    prepare_environment()
-    import torch
+def storage_config(port: int, **settings: Any) -> Any:
+    """A single-rank HiCacheStorageConfig selecting kvcr (nixl transport unless ``settings`` say otherwise)."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-    from sglang.srt.mem_cache.utils import get_hash_str
 
-    page_bytes = layers * LAYER_BYTES
-    host = host_pool(layers, 2 * pages)
-    host.kv_buffer.view(torch.int16).random_()
     extra = {
         "backend_name": "kvcr",
         "module_path": "kvcr.integrations.sglang",
         "class_name": "KvcrHiCacheStorage",
         "interface_v1": 1,
-        "transport": "mock",
-        "control_port": 0,
-        "dram_bytes": pages * page_bytes,
+        "transport": "nixl",
+        "control_port": port,
+        "dram_bytes": "256MiB",
     }
-    config = HiCacheStorageConfig(
+    extra.update(settings)
+    return HiCacheStorageConfig(
         tp_rank=0,
         tp_size=1,
         pp_rank=0,
@@ -132,10 +127,28 @@ def run_sglang(layers: int, pages: int, reps: int) -> SglangResult:
         model_name="bench",
         extra_config=extra,
     )
+
+
+def backend(host: Any, config: Any) -> Any:
+    """Create and register the backend the way SGLang does: factory (dynamic route), then the pools."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
     store = StorageBackendFactory.create_backend("dynamic", config, host)
     store.register_mem_pool_host(host)
     store.register_mem_host_pool_v2(host, "kv")
     store.on_host_pools_registered()
+    return store
+
+
+def run_sglang(layers: int, pages: int, reps: int) -> SglangResult:
+    prepare_environment()
+    import torch
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    page_bytes = layers * LAYER_BYTES
+    host = host_pool(layers, 2 * pages)
+    host.kv_buffer.view(torch.int16).random_()
+    store = backend(host, storage_config(0, transport="mock", dram_bytes=pages * page_bytes))
     src = torch.arange(0, pages * PAGE_TOKENS, dtype=torch.int64)
     dst = torch.arange(pages * PAGE_TOKENS, 2 * pages * PAGE_TOKENS, dtype=torch.int64)
     ptrs, sizes = host.get_page_buffer_meta(src[:PAGE_TOKENS])
@@ -254,7 +267,7 @@ def run_sglang_remote(layers: int, pages: int, reps: int) -> SglangRemoteResult:
 
     from kvcr.bench.peer import free_port_block
     from kvcr.bench.remote import RawReader, data_plane_description, source_replica_process
-    from kvcr.bench.sglang_peer import backend, expected_pages, storage_config
+    from kvcr.bench.sglang_peer import expected_pages
     from kvcr.domain.keys import router_id
 
     page_bytes = layers * LAYER_BYTES

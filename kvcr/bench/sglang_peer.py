@@ -15,45 +15,7 @@ import json
 import sys
 from typing import Any
 
-from kvcr.bench.sglang import LAYER_BYTES, PAGE_TOKENS, host_pool, prepare_environment
-
-
-def storage_config(port: int, **settings: Any) -> Any:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
-    extra = {
-        "backend_name": "kvcr",
-        "module_path": "kvcr.integrations.sglang",
-        "class_name": "KvcrHiCacheStorage",
-        "interface_v1": 1,
-        "transport": "nixl",
-        "control_port": port,
-        "dram_bytes": "256MiB",
-    }
-    extra.update(settings)
-    return HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name="bench",
-        extra_config=extra,
-    )
-
-
-def backend(host: Any, config: Any) -> Any:
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
-    store = StorageBackendFactory.create_backend("dynamic", config, host)
-    store.register_mem_pool_host(host)
-    store.register_mem_host_pool_v2(host, "kv")
-    store.on_host_pools_registered()
-    return store
+from kvcr.bench.sglang import LAYER_BYTES, PAGE_TOKENS, backend, host_pool, prepare_environment, storage_config
 
 
 def page_keys(pages: int) -> list[str]:

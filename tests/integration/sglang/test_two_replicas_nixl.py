@@ -15,8 +15,8 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
-from kvcr.bench.sglang import PAGE_TOKENS, host_pool
-from kvcr.bench.sglang_peer import backend, expected_pages, storage_config
+from kvcr.bench.sglang import PAGE_TOKENS, backend, host_pool, storage_config
+from kvcr.bench.sglang_peer import expected_pages
 from kvcr.domain.keys import router_id
 from tests.support import free_port
 
