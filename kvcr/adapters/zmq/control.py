@@ -40,6 +40,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvcr.adapters.zmq.sockets import WILDCARD_HOSTS, bind_with_retry, zmq_address
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.hints import Endpoint
 from kvcr.ports.control import Handler
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]"})
 _STATUS_OK = b"\x00"
 _STATUS_FAILED = b"\x01"
 _REQUEST_ID = struct.Struct(">Q")
@@ -110,9 +110,9 @@ class ZmqControlChannel:
             raise ConfigError(f"control port must be in 1..65535, got {port!r}")
         if not isinstance(bind_host, str) or not bind_host:
             raise ConfigError(f"control bind_host must be an address, got {bind_host!r}")
-        if advertise_host is not None and (not advertise_host or advertise_host in _WILDCARD_HOSTS):
+        if advertise_host is not None and (not advertise_host or advertise_host in WILDCARD_HOSTS):
             raise ConfigError(f"control advertise_host must be a dialable address, got {advertise_host!r}")
-        if advertise_host is None and bind_host in _WILDCARD_HOSTS:
+        if advertise_host is None and bind_host in WILDCARD_HOSTS:
             raise ConfigError(f"control advertise_host is required when bind_host is the wildcard {bind_host!r}")
         if max_message_bytes <= 0:
             raise ConfigError(f"control max_message_bytes must be positive, got {max_message_bytes}")
@@ -163,7 +163,7 @@ class ZmqControlChannel:
                 sock.setsockopt(lib.MAXMSGSIZE, self._max_message_bytes)
                 if ":" in self._bind_host:
                     sock.setsockopt(lib.IPV6, 1)
-                self._bind(sock, bind_address)
+                bind_with_retry(self._zmq, sock, bind_address, _BIND_RETRY_S, "control endpoint")
             except BaseException:
                 sock.close(linger=0)
                 raise
@@ -175,25 +175,7 @@ class ZmqControlChannel:
             self._server.start()
 
     def _bind_address(self) -> str:
-        host = self._bind_host
-        if host in _WILDCARD_HOSTS:
-            host = "*"
-        elif ":" in host:
-            host = f"[{host}]"
-        return f"tcp://{host}:{self._port}"
-
-    def _bind(self, sock: zmq.Socket[bytes], address: str) -> None:
-        lib = self._zmq
-        give_up = time.monotonic() + _BIND_RETRY_S
-        while True:
-            try:
-                sock.bind(address)
-                return
-            except lib.ZMQError as exc:
-                if exc.errno == lib.EADDRINUSE and time.monotonic() < give_up:
-                    time.sleep(0.02)
-                    continue
-                raise TransportError(f"cannot bind control endpoint {address}: {exc}") from exc
+        return zmq_address(self._bind_host, self._port)
 
     def _serve_loop(self, sock: zmq.Socket[bytes], handler: Handler) -> None:
         lib = self._zmq

@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvcr.adapters.zmq.sockets import bind_with_retry, zmq_address
 from kvcr.domain.errors import ConfigError
-from kvcr.ports.errors import TransportError
 
 if TYPE_CHECKING:
     import zmq
@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 _SLICE_S = 0.05  # longest single wait of the sender thread: how fast close() is noticed
 _BIND_RETRY_S = 1.0  # a restarted publisher may find its port still held for a moment
 _DROP_LOG_INTERVAL_S = 5.0
-_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::"})
 
 
 def bind_address(endpoint: str) -> tuple[str, int]:
@@ -137,22 +136,7 @@ class ZmqEventPublisher:
             sock.setsockopt(getattr(zmq, "XPUB_VERBOSER", zmq.XPUB_VERBOSE), 1)
             if ":" in host:
                 sock.setsockopt(zmq.IPV6, 1)
-            if host in _WILDCARD_HOSTS:
-                bind_to = f"tcp://*:{port}"
-            elif ":" in host:
-                bind_to = f"tcp://[{host}]:{port}"
-            else:
-                bind_to = f"tcp://{host}:{port}"
-            give_up = time.monotonic() + _BIND_RETRY_S
-            while True:
-                try:
-                    sock.bind(bind_to)
-                    break
-                except zmq.ZMQError as exc:
-                    if exc.errno == zmq.EADDRINUSE and time.monotonic() < give_up:
-                        time.sleep(0.02)
-                        continue
-                    raise TransportError(f"cannot bind kv events endpoint {endpoint}: {exc}") from exc
+            bind_with_retry(zmq, sock, zmq_address(host, port), _BIND_RETRY_S, "kv events endpoint")
         except BaseException:
             sock.close(linger=0)
             if self._own_context:
