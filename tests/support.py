@@ -80,3 +80,66 @@ def free_port(count: int = 1) -> int:
     from kvcr.bench.peer import free_port_block
 
     return free_port_block(count)
+
+
+class Cluster:
+    """Runner nodes on one mock fabric (bytes really move); ``control`` builds each node's channel.
+
+    The default channel is the mock one on the fabric; pass a factory to put real sockets there.
+    """
+
+    def __init__(self, clock=None, control=None):
+        from kvcr.adapters.mock import FakeClock, MockControlChannel, MockFabric
+
+        self.fabric = MockFabric()
+        self.clock = clock or FakeClock()
+        self.control = control or (lambda fabric, clk, port: MockControlChannel(fabric, f"tcp://127.0.0.1:{port}", clk))
+        self.nodes = []
+
+    def node(self, name, port=None, *, pools=None, slots=16, token=None, faults=None, model="m", settings):
+        from kvcr.adapters.local import InMemoryMetrics, RecordingInventory
+        from kvcr.adapters.mock import MockDataPlane, MockHostMemory
+        from kvcr.runner.node import RunnerNode
+
+        pools = tuple(pools or (kv_pool(),))
+        config = RunnerConfig(
+            name,
+            namespace_for(model, 4, "bf16", "page_first", pools),
+            pools,
+            dram_bytes=slots * sum(p.page_bytes for p in pools),
+            lease_s=settings.lease_s,
+            lease_margin_s=settings.lease_margin_s,
+        )
+        metrics = InMemoryMetrics()
+        runner = KvcrRunner(
+            config, memory=MockHostMemory(), clock=self.clock, metrics=metrics, inventory=RecordingInventory()
+        )
+        node = RunnerNode(
+            runner,
+            MockDataPlane(self.fabric, name, self.clock, faults),
+            self.control(self.fabric, self.clock, port or free_port()),
+            token=token,
+            clock=self.clock,
+            metrics=metrics,
+            settings=settings,
+        )
+        node.hosts = {p.name: HostPool(p, 64) for p in pools}
+        for pool, host in node.hosts.items():
+            node.register_host_pool(pool, host.regions)
+        self.nodes.append(node)
+        return node
+
+    def close(self):
+        import contextlib
+
+        for node in self.nodes:
+            with contextlib.suppress(Exception):  # a test may have closed or broken it on purpose
+                node.close()
+
+
+def seed(node, pages, slots, pool="kv", salt=""):
+    """Write known pages into a node's host pool and back them up; all must be stored."""
+    host = node.hosts[pool]
+    for page, slot in zip(pages, slots, strict=True):
+        host.write_page(slot, content(page, host.pool.page_bytes, salt))
+    assert all(node.runner.backup(pool, pages, list(slots)))

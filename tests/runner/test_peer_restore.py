@@ -1,69 +1,25 @@
 """Peer restore over the mock fabric: LEASE + one-sided READ + RELEASE, and every failure rule."""
 
-import contextlib
-
 import pytest
 
-from kvcr.adapters.local import InMemoryMetrics, RecordingInventory
 from kvcr.adapters.mock import (
     ControlFaults,
-    FakeClock,
     Faults,
     MockControlChannel,
-    MockDataPlane,
-    MockFabric,
-    MockHostMemory,
 )
 from kvcr.domain.outcomes import Outcome
-from kvcr.runner import KvcrRunner
-from kvcr.runner.config import RunnerConfig, namespace_for
-from kvcr.runner.node import RunnerNode
 from kvcr.runner.peer_client import PeerSettings, PoolRead
-from tests.support import HostPool, content, indexer_pool, kv_pool, sequence
+from tests.support import Cluster as SharedCluster
+from tests.support import content, indexer_pool, kv_pool, seed, sequence
 
 SETTINGS = PeerSettings(operation_s=2.0, abandon_s=4.0, lease_s=5.0, lease_margin_s=0.5, retry_after_s=1.0)
 
 
-class Cluster:
-    def __init__(self):
-        self.fabric = MockFabric()
-        self.clock = FakeClock()
-        self.nodes = []
+class Cluster(SharedCluster):
+    """The shared mock cluster with this module's peer timing by default."""
 
-    def node(self, name, port, *, pools=None, slots=16, token=None, faults=None, model="m", settings=SETTINGS):
-        pools = tuple(pools or (kv_pool(),))
-        config = RunnerConfig(
-            name,
-            namespace_for(model, 4, "bf16", "page_first", pools),
-            pools,
-            dram_bytes=slots * sum(p.page_bytes for p in pools),
-            lease_s=settings.lease_s,
-            lease_margin_s=settings.lease_margin_s,
-        )
-        metrics = InMemoryMetrics()
-        runner = KvcrRunner(
-            config, memory=MockHostMemory(), clock=self.clock, metrics=metrics, inventory=RecordingInventory()
-        )
-        node = RunnerNode(
-            runner,
-            MockDataPlane(self.fabric, name, self.clock, faults),
-            MockControlChannel(self.fabric, f"tcp://127.0.0.1:{port}", self.clock),
-            token=token,
-            clock=self.clock,
-            metrics=metrics,
-            settings=settings,
-        )
-        hosts = {p.name: HostPool(p, 64) for p in pools}
-        for pool, host in hosts.items():
-            node.register_host_pool(pool, host.regions)
-        node.hosts = hosts
-        self.nodes.append(node)
-        return node
-
-    def close(self):
-        for node in self.nodes:
-            with contextlib.suppress(Exception):
-                node.close()
+    def node(self, name, port, *, settings=SETTINGS, **kwargs):
+        return super().node(name, port, settings=settings, **kwargs)
 
 
 @pytest.fixture
@@ -71,13 +27,6 @@ def cluster():
     c = Cluster()
     yield c
     c.close()
-
-
-def seed(node, pages, slots, pool="kv", salt=""):
-    host = node.hosts[pool]
-    for page, slot in zip(pages, slots, strict=True):
-        host.write_page(slot, content(page, host.pool.page_bytes, salt))
-    assert all(node.runner.backup(pool, pages, list(slots)))
 
 
 def outcomes_of(result, pool="kv"):

@@ -1,64 +1,27 @@
 """Peer restore with the runner's real codec over real ZMQ sockets (the data plane stays the mock)."""
 
-import contextlib
-
 import pytest
 
-from kvcr.adapters.local import InMemoryMetrics, MonotonicClock, RecordingInventory
-from kvcr.adapters.mock import MockDataPlane, MockFabric, MockHostMemory
+from kvcr.adapters.local import MonotonicClock
 from kvcr.adapters.zmq import ZmqControlChannel
 from kvcr.domain.outcomes import Outcome
-from kvcr.runner.node import RunnerNode
 from kvcr.runner.peer_client import PeerSettings, PoolRead
 from tests.contract.zmq_kind import free_port
-from tests.support import HostPool, content, kv_pool, make_runner, sequence
+from tests.support import Cluster, content, seed, sequence
 
 pytestmark = pytest.mark.zmq
 
 SETTINGS = PeerSettings(operation_s=2.0, abandon_s=4.0, lease_s=5.0, lease_margin_s=0.5, retry_after_s=1.0)
 
 
-class ZmqCluster:
+class ZmqCluster(Cluster):
     """Runner nodes on one mock fabric whose control channels are real ZMQ sockets on loopback."""
 
     def __init__(self):
-        self.fabric = MockFabric()
-        self.clock = MonotonicClock()
-        self.nodes = []
+        super().__init__(MonotonicClock(), lambda fabric, clock, port: ZmqControlChannel("127.0.0.1", port))
 
     def node(self, name, *, token=None, slots=16):
-        pools = (kv_pool(),)
-        metrics = InMemoryMetrics()
-        runner = make_runner(
-            pools,
-            slots,
-            MockHostMemory(),
-            self.clock,
-            metrics,
-            RecordingInventory(),
-            name=name,
-            lease_s=SETTINGS.lease_s,
-            lease_margin_s=SETTINGS.lease_margin_s,
-        )
-        node = RunnerNode(
-            runner,
-            MockDataPlane(self.fabric, name, self.clock),
-            ZmqControlChannel("127.0.0.1", free_port()),
-            token=token,
-            clock=self.clock,
-            metrics=metrics,
-            settings=SETTINGS,
-        )
-        node.hosts = {p.name: HostPool(p, 64) for p in pools}
-        for pool, host in node.hosts.items():
-            node.register_host_pool(pool, host.regions)
-        self.nodes.append(node)
-        return node
-
-    def close(self):
-        for node in self.nodes:
-            with contextlib.suppress(Exception):
-                node.close()
+        return super().node(name, free_port(), token=token, slots=slots, settings=SETTINGS)
 
 
 @pytest.fixture
@@ -66,13 +29,6 @@ def cluster():
     c = ZmqCluster()
     yield c
     c.close()
-
-
-def seed(node, pages, slots):
-    host = node.hosts["kv"]
-    for page, slot in zip(pages, slots, strict=True):
-        host.write_page(slot, content(page, host.pool.page_bytes))
-    assert all(node.runner.backup("kv", pages, list(slots)))
 
 
 def outcomes_of(result):
