@@ -61,15 +61,24 @@ class SglangResult:
     verified: bool
 
 
-def host_pool(layers: int, pages: int) -> Any:
+def host_pool(
+    layers: int,
+    pages: int,
+    *,
+    page_tokens: int = PAGE_TOKENS,
+    heads: int = HEADS,
+    head_dim: int = HEAD_DIM,
+    layout: str = "page_first",
+) -> Any:
+    """SGLang's real MHA host pool on the CPU (bf16), holding exactly ``pages`` pages."""
     import torch
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.common import make_kernel_ptr_table
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    tokens = PAGE_TOKENS  # the device pool only lends shapes; the host pool is sized explicitly
-    k = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers))
-    v = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers))
+    tokens = page_tokens  # the device pool only lends shapes; the host pool is sized explicitly
+    k = tuple(torch.zeros(tokens, heads, head_dim, dtype=torch.bfloat16) for _ in range(layers))
+    v = tuple(torch.zeros(tokens, heads, head_dim, dtype=torch.bfloat16) for _ in range(layers))
     info = MHABufferInfo(
         buffers=KVBuffers(
             k=k,
@@ -78,10 +87,10 @@ def host_pool(layers: int, pages: int) -> Any:
             v_data_ptrs=make_kernel_ptr_table(list(v), "cpu", host_memory_registered=False),
             layout=KVBufferLayout.NHD,
         ),
-        page_size=PAGE_TOKENS,
-        head_num=HEADS,
-        head_dim=HEAD_DIM,
-        v_head_dim=HEAD_DIM,
+        page_size=page_tokens,
+        head_num=heads,
+        head_dim=head_dim,
+        v_head_dim=head_dim,
         dtype=torch.bfloat16,
         device=torch.device("cpu"),
     )
@@ -89,14 +98,14 @@ def host_pool(layers: int, pages: int) -> Any:
         info,
         1.0,
         0,
-        PAGE_TOKENS,
-        "page_first",
+        page_tokens,
+        layout,
         pin_memory=False,
         device="cpu",
         device_capacity_tokens=tokens,
         start_layer=0,
         end_layer=layers,
-        host_token_capacity=pages * PAGE_TOKENS,
+        host_token_capacity=pages * page_tokens,
     )
 
 

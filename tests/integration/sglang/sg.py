@@ -6,49 +6,22 @@ import threading
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
+from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.pool_host.common import make_kernel_ptr_table
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
+from kvcr.bench.sglang import host_pool
 from tests.support import free_port as free_port  # re-exported for these tests
 
 P, L, H, D, MLA_DIM = 16, 4, 2, 8, 12
 
 
-def mha_host(layout: str, device_tokens: int = 128) -> Any:
-    k = tuple(torch.zeros(device_tokens + P, H, D, dtype=torch.bfloat16) for _ in range(L))
-    v = tuple(torch.zeros(device_tokens + P, H, D, dtype=torch.bfloat16) for _ in range(L))
-    info = MHABufferInfo(
-        buffers=KVBuffers(
-            k=k,
-            v=v,
-            k_data_ptrs=make_kernel_ptr_table(list(k), "cpu", host_memory_registered=False),
-            v_data_ptrs=make_kernel_ptr_table(list(v), "cpu", host_memory_registered=False),
-            layout=KVBufferLayout.NHD,
-        ),
-        page_size=P,
-        head_num=H,
-        head_dim=D,
-        v_head_dim=D,
-        dtype=torch.bfloat16,
-        device=torch.device("cpu"),
-    )
-    return MHATokenToKVPoolHost(
-        info,
-        2.0,
-        0,
-        P,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=device_tokens,
-        start_layer=0,
-        end_layer=L,
-    )
+def mha_host(layout: str, pages: int = 17) -> Any:
+    """SGLang's real MHA host pool, small: 4 layers, 2 heads x 8 dims, 16-token pages."""
+    return host_pool(L, pages, page_tokens=P, heads=H, head_dim=D, layout=layout)
 
 
 def mla_host(layout: str, device_tokens: int = 128) -> Any:
