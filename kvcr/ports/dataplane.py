@@ -33,13 +33,13 @@ memory.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvcr.domain.layout import PieceRun, RegionDescriptor
 
-__all__ = ["DataPlane", "PeerActivity", "PeerInfo", "PieceRun", "TransferState"]
+__all__ = ["DataPlane", "GuardedReads", "PeerActivity", "PeerInfo", "PieceRun", "ReadGuard", "TransferState"]
 
 
 class TransferState(str, enum.Enum):
@@ -94,8 +94,11 @@ class DataPlane(Protocol):
     def disconnect(self, peer: str) -> None:
         """Tear a peer down: its live reads end (terminal) or stay UNCERTAIN (see module doc)."""
 
-    def read(self, peer: str, runs: Sequence[PieceRun]) -> int:
+    def read(self, peer: str, runs: Sequence[PieceRun], *, lease: int = 0) -> int:
         """Start reading every run from ``peer`` into our regions; returns a handle.
+
+        ``lease`` is the source's lease id the runs were granted under; one-sided transports
+        ignore it, two-sided ones let the source check it (see :class:`GuardedReads`).
 
         Raises:
             PeerUnavailable: the peer is not connected or not reachable.
@@ -134,3 +137,18 @@ class PeerActivity(Protocol):
 
     def expect_reads(self, within_s: float) -> None:
         """Peers may read our exposed regions during the next ``within_s`` seconds."""
+
+
+ReadGuard = Callable[[int, Sequence[PieceRun]], bool]
+"""``allowed(lease, runs)``: whether a peer's read of ``runs`` (source region ids) is covered by ``lease``."""
+
+
+class GuardedReads(Protocol):
+    """Optional: a two-sided transport, where the source itself sends the bytes a peer reads.
+
+    The peer server installs its lease table as the guard, so such a source sends nothing but
+    pieces a live lease covers; a read outside it fails at the target without a byte moved.
+    """
+
+    def guard_reads(self, allowed: ReadGuard) -> None:
+        """Check every incoming read with ``allowed`` before sending anything."""

@@ -130,7 +130,8 @@ class MockDataPlane:
                 if transfer.source == peer and not transfer.state.terminal and not late:
                     transfer.state = TransferState.FAILED  # torn down: it will never write again
 
-    def read(self, peer: str, runs: Sequence[PieceRun]) -> int:
+    def read(self, peer: str, runs: Sequence[PieceRun], *, lease: int = 0) -> int:
+        del lease  # one-sided, like NIXL: the source takes no part in a read
         self._check_open()
         with self._lock:
             incarnation = self._peers.get(peer)
