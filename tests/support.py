@@ -77,7 +77,7 @@ def make_runner(pools, slots, memory, clock, metrics, inventory, **changes) -> K
 
 def free_port(count: int = 1) -> int:
     """The first of ``count`` consecutive free loopback ports (never fixed ports: see free_port_block)."""
-    from kvcr.bench.peer import free_port_block
+    from kvcr.testing.ports import free_port_block
 
     return free_port_block(count)
 

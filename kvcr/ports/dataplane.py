@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvcr.domain.layout import PieceRun, RegionDescriptor
 
@@ -127,6 +127,7 @@ class DataPlane(Protocol):
         """
 
 
+@runtime_checkable
 class PeerActivity(Protocol):
     """Optional: a data plane whose idle cost depends on knowing when peers will read from it.
 
@@ -143,6 +144,7 @@ ReadGuard = Callable[[int, Sequence[PieceRun]], bool]
 """``allowed(lease, runs)``: whether a peer's read of ``runs`` (source region ids) is covered by ``lease``."""
 
 
+@runtime_checkable
 class GuardedReads(Protocol):
     """Optional: a two-sided transport, where the source itself sends the bytes a peer reads.
 

@@ -104,7 +104,9 @@ class MockDataPlane:
         with self._fabric.lock:
             exposed = {str(i): [r.count, r.piece_bytes] for i, r in node.exposed.items()}
             incarnation = node.incarnation
-        return json.dumps({"fabric": "mock", "name": self._name, "incarnation": incarnation, "exposed": exposed}).encode()
+        return json.dumps(
+            {"fabric": "mock", "name": self._name, "incarnation": incarnation, "exposed": exposed}
+        ).encode()
 
     def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
         del timeout_s  # the fake answers at once or not at all
