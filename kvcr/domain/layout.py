@@ -146,20 +146,3 @@ def slot_runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
 
 def _by_destination(pair: tuple[int, int]) -> int:
     return pair[1]
-
-
-def page_slots(token_indices: Sequence[int], page_size: int) -> list[int]:
-    """Host page slots of a run of token indices; each page must be whole, aligned and contiguous."""
-    if page_size <= 0:
-        raise LayoutError(f"page_size must be positive, got {page_size}")
-    if len(token_indices) % page_size:
-        raise LayoutError(f"{len(token_indices)} token indices are not a whole number of {page_size}-token pages")
-    slots = []
-    for start in range(0, len(token_indices), page_size):
-        first = token_indices[start]
-        if first % page_size:
-            raise LayoutError(f"page starting at token index {first} is not aligned to page_size {page_size}")
-        if list(token_indices[start : start + page_size]) != list(range(first, first + page_size)):
-            raise LayoutError(f"page starting at token index {first} is not contiguous")
-        slots.append(first // page_size)
-    return slots

@@ -499,7 +499,9 @@ class PeerClient:
             if isinstance(reply, Refused) and reply.code == RefusalCode.NAMESPACE:
                 self._mark_down(endpoint, "no pool namespace in common")
             return None
-        pools = {p.name: p for p in reply.pools if p.name in self._runner.namespaces}
+        mine = self._runner.namespaces
+        # Checked here too: a peer that shares no namespace with us must never get a link.
+        pools = {p.name: p for p in reply.pools if mine.get(p.name) == p.namespace}
         if not pools:
             self._mark_down(endpoint, "no pool namespace in common")
             return None

@@ -27,6 +27,7 @@ from kvcr.runner.protocol import (
     MAX_LEASE_PAGES,
     MAX_POOLS,
     MAX_RELEASE_IDS,
+    NONCE_BYTES,
     FrameError,
     Hello,
     HelloReply,
@@ -42,6 +43,7 @@ from kvcr.runner.runner import KvcrRunner
 log = logging.getLogger(__name__)
 
 MAX_SESSIONS = 4096
+MAX_NONCES = 1 << 16  # per session, and for HELLOs: past this a session is dropped (the peer says HELLO again)
 _LOG_EVERY_S = 10.0
 
 
@@ -50,6 +52,7 @@ class _Session:
     sender: str
     pools: dict[int, str]  # pool id on this link -> pool name
     leases: set[int] = field(default_factory=set)
+    nonces: set[bytes] = field(default_factory=set)
 
 
 class PeerServer:
@@ -74,12 +77,15 @@ class PeerServer:
         self._sessions: OrderedDict[int, _Session] = OrderedDict()
         self._closing = False
         self._last_log = 0.0
+        self._hello_nonces: OrderedDict[bytes, None] = OrderedDict()
         arenas = runner.pool_arenas()
         self._pools: list[PoolWire] = []
         self._region_pool: dict[int, str] = {}
         for pool_id, (name, regions) in enumerate(sorted(arenas.items())):
             ids = list(arena_ids[name])
-            self._pools.append(PoolWire(pool_id, name, ids, [r.piece_bytes for r in regions], regions[0].count))
+            namespace = runner.namespaces[name]
+            pieces = [r.piece_bytes for r in regions]
+            self._pools.append(PoolWire(pool_id, name, namespace, ids, pieces, regions[0].count))
             self._region_pool.update(dict.fromkeys(ids, name))
         self._activity = data_plane if isinstance(data_plane, PeerActivity) else None
         if isinstance(data_plane, GuardedReads):
@@ -116,16 +122,24 @@ class PeerServer:
             return self._refusal(request.nonce, RefusalCode.CLOSING)
         if len(request.namespaces) > MAX_POOLS:
             return self._refusal(request.nonce, RefusalCode.TOO_LARGE)
-        mine = self._runner.namespaces
-        pools = [p for p in self._pools if request.namespaces.get(p.name) == mine[p.name]]
+        pools = [p for p in self._pools if request.namespaces.get(p.name) == p.namespace]
         if not pools:
             # Neither side's namespace text goes back: the peer learns only that nothing matched.
             return self._refusal(request.nonce, RefusalCode.NAMESPACE)
         session_id = secrets.randbits(63) | 1
         with self._lock:
-            self._sessions[session_id] = _Session(request.sender[:128], {p.pool_id: p.name for p in pools})
+            if request.nonce in self._hello_nonces or len(request.nonce) != NONCE_BYTES:
+                replayed = True
+            else:
+                replayed = False
+                self._hello_nonces[request.nonce] = None
+                while len(self._hello_nonces) > MAX_NONCES:
+                    self._hello_nonces.popitem(last=False)
+                self._sessions[session_id] = _Session(request.sender[:128], {p.pool_id: p.name for p in pools})
             while len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
+        if replayed:
+            return self._refusal(request.nonce, RefusalCode.REPLAYED)
         self._expect_reads()
         lease_ms = round(self._runner.config.timing.lease_s * 1000)
         return HelloReply(request.nonce, session_id, self.incarnation, self._data_plane.describe(), pools, lease_ms)
@@ -133,12 +147,20 @@ class PeerServer:
     def _lease(self, request: Lease) -> LeaseReply | Refused:
         if self._closing:
             return self._refusal(request.nonce, RefusalCode.CLOSING)
+        replayed = False
         with self._lock:
             session = self._sessions.get(request.session)
             if session is not None:
                 self._sessions.move_to_end(request.session)
+                replayed = request.nonce in session.nonces or len(request.nonce) != NONCE_BYTES
+                if not replayed:
+                    session.nonces.add(request.nonce)
+                    if len(session.nonces) > MAX_NONCES:
+                        del self._sessions[request.session]  # the peer opens a fresh session
         if session is None:
             return self._refusal(request.nonce, RefusalCode.UNKNOWN_SESSION)
+        if replayed:
+            return self._refusal(request.nonce, RefusalCode.REPLAYED)
         if len(request.pages) > MAX_POOLS or sum(len(pages) for _, pages in request.pages) > MAX_LEASE_PAGES:
             return self._refusal(request.nonce, RefusalCode.TOO_LARGE)
         wanted: list[tuple[str, list[str]]] = []

@@ -4,8 +4,9 @@ A frame is a msgpack array ``["kvcr-peer", version, body]``; ``body`` is one msg
 message below. The version is checked before the body is decoded. Authentication and secrecy
 are the control channel's job (ZMQ CURVE keyed from the cluster token): a peer without the
 token never gets a frame to us. On top of that every request carries a fresh random nonce that
-its reply echoes, so a reply can never answer another request, and a lease request names the
-session its HELLO opened, so namespaces are compared once per link, not per page.
+its reply echoes, so a reply can never answer another request; the source refuses a nonce it has
+seen before (a replayed frame gets nothing); and a lease request names the session its HELLO
+opened, so namespaces are compared once per link, not per page.
 
     target                                           source
       HELLO(nonce, sender, incarnation,
@@ -44,13 +45,15 @@ class RefusalCode(enum.IntEnum):
     TOO_LARGE = 5
     CLOSING = 6
     INTERNAL = 7
+    REPLAYED = 8
 
 
 class PoolWire(msgspec.Struct, array_like=True, frozen=True):
-    """One pool a link may lease from: its id on this link, its region id per component, sizes."""
+    """One pool a link may lease from: its id on this link, namespace, region id per component, sizes."""
 
     pool_id: int
     name: str
+    namespace: str
     regions: list[int]
     pieces: list[int]
     slots: int

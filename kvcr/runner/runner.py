@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvcr.domain.errors import ClosedError, DeadlineExceeded, KvcrError, LayoutError
+from kvcr.domain.errors import ClosedError, ConfigError, DeadlineExceeded, KvcrError, LayoutError
 from kvcr.domain.eviction import POLICIES, EvictionPolicy
 from kvcr.domain.keys import check_page_hash
 from kvcr.domain.layout import RegionDescriptor, check_disjoint, slot_runs
@@ -32,7 +32,7 @@ from kvcr.domain.outcomes import RESTORED, PageOutcome, failed, miss
 from kvcr.domain.pools import PoolSpec
 from kvcr.domain.residency import Lease, SlotState, check_transition
 from kvcr.ports.clock import Clock
-from kvcr.ports.errors import MemoryCopyError
+from kvcr.ports.errors import MemoryCopyError, RegistrationError
 from kvcr.ports.inventory import InventoryEvent, InventoryKind, InventorySink
 from kvcr.ports.memory import HostMemory, Move
 from kvcr.ports.metrics import Metrics
@@ -166,7 +166,7 @@ class KvcrRunner:
         self._pools: dict[str, _Pool] = {}
         try:
             for spec in config.pools:
-                arena = Arena(spec, slots[spec.name], memory) if spec.physical else None
+                arena = self._arena(spec, slots[spec.name]) if spec.physical else None
                 state = _Pool(spec, arena, policy_type(), self.namespaces.get(spec.name, ""))
                 if arena is not None:
                     state.lease_cap = max(1, int(arena.slots * config.max_leased_fraction))
@@ -175,6 +175,15 @@ class KvcrRunner:
             self._release_arenas()
             raise
         check_disjoint([r for p in self._pools.values() if p.arena for r in p.arena.regions])
+
+    def _arena(self, spec: PoolSpec, slots: int) -> Arena:
+        try:
+            return Arena(spec, slots, self._memory)
+        except RegistrationError as exc:
+            raise ConfigError(
+                f"dram_bytes: cannot allocate {slots * spec.page_bytes} bytes for pool {spec.name!r} "
+                f"({exc}); lower dram_bytes"
+            ) from exc
 
     # ------------------------------------------------------------------ registration
 
