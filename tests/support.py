@@ -5,10 +5,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 
-from kvcr.domain.keys import page_hashes
+from kvcr.domain.keys import NamespaceSpec, page_hashes
 from kvcr.domain.layout import ComponentSpec, RegionDescriptor
 from kvcr.domain.pools import HitPolicy, PoolSpec
-from kvcr.domain.keys import NamespaceSpec
 from kvcr.runner import KvcrRunner, RunnerConfig
 
 

@@ -174,6 +174,11 @@ class Restorer:
         if self._book is not None:
             self._book.finish(request)
 
+    @property
+    def booked(self) -> int:
+        """Remote pages leased at hit-query time and not read yet."""
+        return len(self._book) if self._book is not None else 0
+
     def close(self) -> None:
         """Release every booked lease (the engine is going away)."""
         if self._book is not None:

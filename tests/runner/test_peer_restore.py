@@ -366,7 +366,9 @@ def test_released_pages_are_evictable_at_once(cluster):
     pages = sequence(4)
     seed(a, pages, range(4))
     seed(a, sequence(4, start=3000), range(4, 8))  # the arena is full
-    assert outcomes_of(b.client.restore(a.endpoint, [PoolRead("kv", pages, [10, 11, 12, 13])])) == [Outcome.RESTORED] * 4
+    assert (
+        outcomes_of(b.client.restore(a.endpoint, [PoolRead("kv", pages, [10, 11, 12, 13])])) == [Outcome.RESTORED] * 4
+    )
     a.runner.restore("kv", sequence(4, start=3000), list(range(30, 34)))  # those are now the most recent
     newer = sequence(4, start=7000)
     for page, slot in zip(newer, range(8, 12), strict=True):

@@ -12,6 +12,7 @@ from kvcr.domain.pools import HitPolicy, PoolSpec, check_pool_set
 def restorable_prefix(sets):
     return max(intersect(sets))
 
+
 KV = PoolSpec("kv", (ComponentSpec("k", 8), ComponentSpec("v", 8)), anchor=True)
 INDEXER = PoolSpec("indexer", (ComponentSpec("i", 4),))
 MAMBA = PoolSpec("mamba", (ComponentSpec("m", 4),), HitPolicy.TRAILING_PAGES)

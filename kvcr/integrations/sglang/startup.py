@@ -39,6 +39,14 @@ log = logging.getLogger(__name__)
 
 KV = "kv"
 SHARDED_POOLS = frozenset({"mamba"})  # TP-sharded state next to replicated MLA KV (Mamba, KDA)
+TRAILING_POOLS = frozenset({"mamba", "swa", "auxiliary_swa", "draft_swa"})  # checkpoints: a window suffices
+
+
+def hit_policy(pool: str) -> HitPolicy:
+    """How a pool's pages must be present for a prefix (SGLang names state and window pools)."""
+    if pool in TRAILING_POOLS or pool.endswith("_state"):
+        return HitPolicy.TRAILING_PAGES
+    return HitPolicy.ALL_PAGES
 
 
 def rank_layout(config: Any) -> RankLayout:

@@ -347,6 +347,7 @@ class KvcrHiCacheStorage(HiCacheStorage):
             "pools": [p.as_dict() for p in stats.pools],
             "counters": stats.counters,
             "hints_rejected": self._hints.rejected if self._hints else {},
+            "held_remote_pages": started.restorer.booked,
             "kv_events": started.kv_events.stats() if started.kv_events else None,
         }
 

@@ -15,11 +15,11 @@ import pytest
 
 from kvcr.adapters.local import MmapHostMemory
 from kvcr.adapters.zmq import ZmqControlChannel
-from kvcr.testing.replica import HostPool, bench_keys, bench_pool, build_node, page_pattern
 from kvcr.domain.outcomes import Outcome
 from kvcr.ports.errors import PeerRefused
 from kvcr.runner.peer_client import PeerSettings, PoolRead
 from kvcr.runner.protocol import Codec, Hello, HelloReply
+from kvcr.testing.replica import HostPool, bench_keys, bench_pool, build_node, page_pattern
 from tests.support import free_port
 
 pytestmark = [pytest.mark.nixl, pytest.mark.zmq, pytest.mark.multiprocess]

@@ -22,7 +22,7 @@ def main() -> None:
     from tests.integration.sglang import sg
 
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
-    use_plugin = sys.argv[1] == "with-plugin"
+    use_plugin = sys.argv[1] != "without-plugin"
     if use_plugin:
         load_plugins()
 
@@ -61,8 +61,24 @@ def main() -> None:
     # The scheduler's entry point to storage prefetch (storage disabled on this stub: the hook
     # sees the request, the body returns at once).
     Scheduler._prefetch_kvcache(SimpleNamespace(enable_hicache_storage=False, enable_lmcache=False), req)
+    if sys.argv[1] == "revoked":
+        # The hit query leases A's pages; the scheduler then revokes the prefetch before any read.
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        handle = CacheRequestHandle(rid="req-7", attempt_id=0)
+        op = ctrl.prefetch(handle, tokens, None, None)
+        assert ctrl.prefetch_hit_queue.get(timeout=20) is op
+        held = a.runner.active_leases
+        cache = SimpleNamespace(_finish_storage_prefetch=lambda *args, **kwargs: None, ongoing_prefetch={})
+        UnifiedRadixCache.revoke_pending_prefetch(cache, handle)
+        result = {"hit_tokens": op.storage_hit_count, "leases_after_query": held, "leases": a.runner.active_leases}
+        ctrl.detach_storage_backend()
+        a.close()
+        print("RESULT " + json.dumps(result))
+        return
     op, dst, completed = sg.prefetch(ctrl, "req-7", tokens, timeout=20)
-    result = {"hit_tokens": op.storage_hit_count, "bytes_equal": False}
+    result = {"hit_tokens": op.storage_hit_count, "bytes_equal": False, "leases": a.runner.active_leases}
     if dst is not None:
         result["prefetched_tokens"] = completed
         result["bytes_equal"] = sg.pages_equal(host_a, src, host_b, dst)

@@ -76,6 +76,7 @@ def storage_config(
     pp_size: int = 1,
     split_heads: bool = False,
     model: str = "test-model",
+    storage_metrics: bool = False,
     **settings: Any,
 ) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
@@ -86,7 +87,7 @@ def storage_config(
         attn_cp_rank=0,
         attn_cp_size=1,
         is_mla_model=mla,
-        enable_storage_metrics=False,
+        enable_storage_metrics=storage_metrics,
         is_page_first_layout=True,
         model_name=model,
         should_split_heads=split_heads,
@@ -145,7 +146,7 @@ class FakeAllocator:
         pass
 
 
-def controller(host: Any, **settings: Any) -> Any:
+def controller(host: Any, *, storage_metrics: bool = False, **settings: Any) -> Any:
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
@@ -173,6 +174,7 @@ def controller(host: Any, **settings: Any) -> Any:
         prefetch_threshold=P,
         model_name="test-model",
         storage_backend_extra_config=extra_config(**settings),
+        enable_storage_metrics=storage_metrics,
     )
     return ctrl, group
 

@@ -123,7 +123,7 @@ def test_real_controller_backs_up_queries_and_prefetches_through_kvcr():
     from sglang.srt.mem_cache.utils import get_hash_str
 
     host = sg.mha_host("page_first")
-    ctrl, group = sg.controller(host)
+    ctrl, group = sg.controller(host, storage_metrics=True)
     try:
         store = ctrl.storage_backend
         assert isinstance(store, KvcrHiCacheStorage)
@@ -233,3 +233,29 @@ def test_the_sglang_benchmark_command_runs_and_verifies_bytes(tmp_path, capsys):
     [local], [remote] = results["local"], results["remote"]
     assert local["verified"] is True and local["page_bytes"] == 256 * 1024
     assert remote["verified"] is True and remote["pages"] == 4
+
+
+@pytest.mark.parametrize("storage_metrics", [False, True])
+def test_storage_metrics_stay_bounded_without_get_stats(storage_metrics):
+    import tracemalloc
+
+    from kvcr.integrations.sglang.stats import MAX_SAMPLES
+
+    host = sg.mha_host("page_first")
+    store = sg.backend(host, sg.storage_config(storage_metrics=storage_metrics))
+    try:
+        keys = sg.hashes(1)
+        src = host.alloc(sg.P)
+        store.batch_set_v1(keys, src)
+        tracemalloc.start()
+        for _ in range(2000):
+            store.batch_set_v1(keys, src)
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(20000):
+            store.batch_set_v1(keys, src)
+        grown = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert store._stats.pending() <= (MAX_SAMPLES if storage_metrics else 0)
+        assert grown < 256 * 1024, f"{grown} bytes kept for 20,000 calls"
+    finally:
+        store.close()

@@ -39,6 +39,15 @@ def test_a_hint_set_on_a_request_reaches_the_backend():
     assert result["hit_tokens"] == 4 * 16
     assert result["prefetched_tokens"] == 4 * 16
     assert result["bytes_equal"] is True
+    assert result["leases"] == 0  # the source lets go as soon as the prefetch ends
+
+
+@pytest.mark.multiprocess
+def test_a_revoked_prefetch_releases_its_leases_at_once():
+    result = run_flow("revoked")
+    assert result["hit_tokens"] == 4 * 16
+    assert result["leases_after_query"] == 1
+    assert result["leases"] == 0  # released when SGLang revoked it, not after lease_ms
 
 
 @pytest.mark.multiprocess

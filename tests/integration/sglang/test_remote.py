@@ -141,6 +141,7 @@ def test_sharded_ranks_dial_their_own_rank_on_the_source():
 
 
 REASONS: list[str] = []
+FAST = dict(operation_timeout_ms=100, abandon_timeout_ms=200, control_timeout_ms=50)
 
 
 class Recorded(KvcrHiCacheStorage):
@@ -151,14 +152,35 @@ class Recorded(KvcrHiCacheStorage):
 
 def test_an_unconfirmed_read_terminates_the_worker(replicas):
     a, host_a, port_a = replicas()
-    b, host_b, _ = replicas(cls=Recorded, enable_remote_hint=True, operation_timeout_ms=100, abandon_timeout_ms=200)
+    b, host_b, _ = replicas(cls=Recorded, enable_remote_hint=True, landing="direct", **FAST)
     keys = sg.hashes(2)
     a.batch_set_v1(keys, host_a.alloc(2 * sg.P))
-    a.node.data_plane.set_faults(Faults(stall=True, uncertain_cancel=True))
+    a.node.data_plane.set_faults(Faults(stall=True, late_writes=True))
     with pytest.raises(BaseException, match="could not be confirmed stopped"):
         b.batch_get_v1(keys, host_b.alloc(2 * sg.P), hint(port_a, keys))
-    assert REASONS and "may still be written" in REASONS[-1]
+    assert REASONS and "could not be confirmed stopped" in REASONS[-1]
     a.node.data_plane.set_faults(Faults())  # let the stuck read land so both sides can close
+    b.node.data_plane.poll(b.node.client._quarantine[0])
+
+
+def test_a_frozen_source_costs_misses_not_the_worker(replicas):
+    a, host_a, port_a = replicas()
+    b, host_b, _ = replicas(cls=Recorded, enable_remote_hint=True, **FAST)  # landing auto
+    keys = sg.hashes(2)
+    src = host_a.alloc(2 * sg.P)
+    sg.fill(host_a, src, seed=41)
+    a.batch_set_v1(keys, src)
+    a.node.data_plane.set_faults(Faults(late_writes=True))  # a transport that cannot fence a read
+    assert b.batch_exists(keys, hint(port_a, keys)) == 2
+    a.node.data_plane.set_faults(Faults(late_writes=True, stall=True))  # the source freezes mid-flow
+    before = len(REASONS)
+    dst = host_b.alloc(2 * sg.P)
+    assert b.batch_get_v1(keys, dst, hint(port_a, keys)) == [False, False]
+    assert len(REASONS) == before  # no fail-stop: the read landed in kvcr's staging memory
+    assert b.node.staging.quarantined == 1
+    a.node.data_plane.set_faults(Faults(late_writes=True))  # it resumes: the late bytes land in staging
+    b.node.data_plane.poll(b.node.client._quarantine[0])
+    assert not sg.pages_equal(host_a, src, host_b, dst)  # never in SGLang's host pages
 
 
 def test_fail_stop_really_ends_the_process_with_a_log_line(tmp_path):
@@ -186,10 +208,10 @@ def test_fail_stop_really_ends_the_process_with_a_log_line(tmp_path):
         port_a = sg.free_port()
         a, host_a = make(port=port_a)
         b, host_b = make(port=sg.free_port(), enable_remote_hint=True, operation_timeout_ms=100,
-                         abandon_timeout_ms=200)
+                         abandon_timeout_ms=200, control_timeout_ms=50, landing="direct")
         keys = sg.hashes(2)
         a.batch_set_v1(keys, host_a.alloc(2 * sg.P))
-        a.node.data_plane.set_faults(Faults(stall=True, uncertain_cancel=True))
+        a.node.data_plane.set_faults(Faults(stall=True, late_writes=True))
         b.batch_get_v1(keys, host_b.alloc(2 * sg.P), hint(port_a, keys))
         print("still alive")
         """

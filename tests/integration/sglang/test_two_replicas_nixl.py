@@ -15,9 +15,9 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
+from kvcr.domain.keys import router_id
 from kvcr.testing.sglang import PAGE_TOKENS, backend, host_pool, storage_config
 from kvcr.testing.sglang_replica import expected_pages
-from kvcr.domain.keys import router_id
 from tests.support import free_port
 
 pytestmark = [pytest.mark.nixl, pytest.mark.zmq, pytest.mark.multiprocess]
