@@ -226,13 +226,13 @@ def test_the_advertised_endpoint(channels):
         ("0.0.0.0", "10.0.0.7", "tcp://10.0.0.7:41000"),
         ("::1", None, "tcp://[::1]:41000"),
     ]:
-        channel = ZmqControlChannel(bind_host, 41000, advertise_host=advertise_host)
+        channel = ZmqControlChannel(bind_host, 41000, advertise_host=advertise_host, allow_unauthenticated=True)
         assert channel.endpoint == endpoint
         channel.close()
 
 
 def test_a_wildcard_bind_is_reachable_through_the_advertised_host(channels):
-    wildcard = ZmqControlChannel("0.0.0.0", free_port(), advertise_host="127.0.0.1")
+    wildcard = ZmqControlChannel("0.0.0.0", free_port(), advertise_host="127.0.0.1", allow_unauthenticated=True)
     try:
         wildcard.serve(echo)
         assert channels().request(wildcard.endpoint, b"w", timeout_s=2.0) == b"echo:w"
