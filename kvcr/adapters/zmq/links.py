@@ -230,8 +230,12 @@ class PeerLinks:
             if event & lib.EVENT_HANDSHAKE_SUCCEEDED:
                 conn.connected = True
             elif event & self._failures:
-                conn.failure = "handshake failed (no shared cluster token, or not the same security)"
                 conn.handshake_failed = not conn.connected
+                conn.failure = (
+                    "handshake failed (no shared cluster token, or not the same security)"
+                    if conn.handshake_failed
+                    else "a frame failed authentication, the connection is closed"
+                )
             elif event & lib.EVENT_CONNECT_RETRIED:
                 conn.failure = "connection refused" if not conn.connected else "connection lost"
             elif event & lib.EVENT_DISCONNECTED:

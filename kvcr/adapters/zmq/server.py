@@ -54,6 +54,12 @@ _BATCH = 64  # requests answered between two looks at ZAP, the monitor and the s
 _BIND_RETRY_S = 0.5  # a just-closed socket on a shared context frees its port asynchronously
 _ROUTER_RCVHWM = 32  # requests queued per connection: bounds what one peer can make us buffer
 _WARN_EVERY_S = 10.0
+# With a monitor attached (we need it to count refusals), libzmq 4.3.5 does not close a connection
+# whose frame fails CURVE authentication after the handshake: it only stops reading it. ZMTP
+# heartbeats close such a connection (it can no longer answer a PING) within interval + timeout,
+# so a tampered connection neither hangs its client for ever nor holds our descriptor.
+_HEARTBEAT_IVL_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 2000
 
 
 class RateLimitedWarning:
@@ -143,6 +149,8 @@ class ControlServer:
             sock.setsockopt(lib.LINGER, 0)
             sock.setsockopt(lib.MAXMSGSIZE, self._max_message_bytes)
             sock.setsockopt(lib.RCVHWM, _ROUTER_RCVHWM)
+            sock.setsockopt(lib.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+            sock.setsockopt(lib.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
             if ipv6:
                 sock.setsockopt(lib.IPV6, 1)
             if self._keyring is not None:
