@@ -26,6 +26,8 @@ count since the last one, so a flood cannot flood the log.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import struct
 import threading
@@ -49,6 +51,7 @@ _STATUS_OK = b"\x00"
 _STATUS_FAILED = b"\x01"
 _REQUEST_ID_BYTES = 8
 _MONITOR_EVENT = struct.Struct("=HI")
+_MONITOR_IDS = itertools.count()
 _SLICE_S = 0.05  # longest single poll: how quickly close() is noticed
 _BATCH = 64  # requests answered between two looks at ZAP, the monitor and the stop flag
 _BIND_RETRY_S = 0.5  # a just-closed socket on a shared context frees its port asynchronously
@@ -155,7 +158,8 @@ class ControlServer:
                 sock.setsockopt(lib.IPV6, 1)
             if self._keyring is not None:
                 self._keyring.configure_server(sock)
-            monitor_address = f"inproc://kvcr-control-server-monitor-{id(self):x}"
+            # Unique per server: an inproc name is released asynchronously after its socket closes.
+            monitor_address = f"inproc://kvcr-control-server-monitor-{id(self):x}-{next(_MONITOR_IDS)}"
             sock.monitor(monitor_address, self._monitored)
             monitor = self._context.socket(lib.PAIR)
             opened.append(monitor)
@@ -207,7 +211,8 @@ class ControlServer:
             if not self._stop.is_set():
                 log.error("control server %s stopped: %s", self._name, exc)
         finally:
-            sock.disable_monitor()
+            with contextlib.suppress(lib.ZMQError):  # the context may be terminating under us
+                sock.disable_monitor()
             sock.close(linger=0)  # before the ZAP handler: no handshake may start without it
             monitor.close(linger=0)
             if zap is not None:
