@@ -1,5 +1,6 @@
 """ZmqControlChannel behaviour beyond the contract: concurrency, stalls, restarts, failures, close."""
 
+import json
 import socket
 import struct
 import subprocess
@@ -468,3 +469,15 @@ def test_forget_during_a_request_closes_its_socket_when_the_request_ends(channel
     thread.join(5)
     assert outcome == [b"echo:x"]
     assert client.open_peers() == 0
+
+
+@pytest.mark.multiprocess
+def test_the_round_trip_benchmark_runs_and_reports_every_case(capsys):
+    from kvcr.adapters.zmq import bench
+
+    bench.main(["--requests", "50", "--cold", "10", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["results"]) == {"raw", "plaintext", "curve", "plaintext cold", "curve cold"}
+    for result in report["results"].values():
+        assert 0 < result["p50_us"] <= result["p99_us"]
+    assert report["results"]["plaintext"]["p50_vs_plaintext"] == 1.0

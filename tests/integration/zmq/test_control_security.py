@@ -243,7 +243,7 @@ def test_a_bit_flipped_in_a_request_never_reaches_the_handler(server, client, re
     began = time.monotonic()
     with pytest.raises((PeerUnavailable, ControlTimeout)):
         member.request(wire.endpoint, b"LEASE 0-3 " * 8, timeout_s=5.0)
-    assert time.monotonic() - began < 5.0
+    assert time.monotonic() - began < 6.0  # bounded by the deadline at worst
     wire.tamper_up = None
     assert member.request(wire.endpoint, b"after", timeout_s=5.0) == b"echo:after"
     stats = target.wait_for(lambda s: s["refusals"]["protocol"] >= 1)
