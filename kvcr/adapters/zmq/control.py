@@ -1,46 +1,45 @@
 """A ControlChannel over pyzmq: one ROUTER that serves, pooled DEALERs that ask.
 
-Wire format (one ZMQ multipart message each way; the payload is opaque here, the peer protocol's
-codec versions and authenticates it)::
+Security: with a cluster token every connection uses ZMQ's CURVE mechanism (CurveZMQ:
+Curve25519 key exchange, then authenticated encryption of every frame with per-connection
+short-term keys and message counters), keyed from the token (:mod:`kvcr.adapters.zmq.curve`).
+A peer without the token, with another token, or speaking plaintext fails the handshake: our
+server never hands it to the handler, and our client sees :class:`PeerUnavailable` within
+milliseconds. Bytes recorded on the wire and replayed on a new connection fail the handshake; bytes
+tampered with in flight break the connection. Without a token the channel is plaintext, and only a
+loopback bind is allowed unless ``allow_unauthenticated`` says the operator means it.
 
-    request   DEALER -> ROUTER   [request id (8 bytes), payload]
-    reply     ROUTER -> DEALER   [request id, status (1 byte), body]
-                                 status 0: body is the handler's reply
-                                 status 1: the handler failed; body says why (PeerRefused here)
+Server: :mod:`kvcr.adapters.zmq.server` (wire format, refusal reasons). Client: per peer a small
+pool of DEALER sockets in a bounded LRU (:mod:`kvcr.adapters.zmq.links`). Error mapping:
 
-Server: ``serve`` binds the ROUTER in the caller's thread, so a bind failure raises there, then
-hands the socket to a daemon thread that polls in short slices (``close`` stops it promptly) and
-answers every request with the handler's reply. A handler that raises gets the peer a status-1
-reply and a log line; the thread keeps serving.
-
-Client: per peer endpoint a small pool of DEALER sockets, each used by one thread at a time (so
-concurrent callers never share a socket and never wait on each other). Every socket has
-``IMMEDIATE`` set, so it is writable only once a connection to the peer is up, and a socket
-monitor, so a refused or dropped connection is seen within milliseconds rather than at the
-deadline. Error mapping:
-
-- no connection within ``timeout_s``, connection refused, handshake failed, connection lost
-  -> :class:`PeerUnavailable`
+- no connection within ``timeout_s``, connection refused, handshake failed (credentials),
+  connection lost -> :class:`PeerUnavailable`
 - connected and sent, but no reply within ``timeout_s`` -> :class:`ControlTimeout` (the socket is
   dropped, so a late reply can never answer a later request; request ids guard that as well)
 - the peer's handler failed -> :class:`PeerRefused`
 - this channel is closed -> :class:`TransportError`
 
-Every wait is bounded; LINGER is 0 on every socket.
+One-way ``send`` queues without blocking and never raises; a message it cannot queue is dropped
+and counted in :attr:`ZmqControlChannel.dropped_sends`. Every wait is bounded; LINGER is 0 on
+every socket.
 """
 
 from __future__ import annotations
 
-import contextlib
+import ipaddress
 import itertools
 import logging
 import math
 import struct
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvcr.adapters.zmq.sockets import WILDCARD_HOSTS, bind_with_retry, zmq_address
+from kvcr.adapters.zmq.curve import Keyring
+from kvcr.adapters.zmq.links import Conn, PeerLinks
+from kvcr.adapters.zmq.server import ONEWAY_ID, REFUSAL_REASONS, ControlServer
+from kvcr.adapters.zmq.sockets import WILDCARD_HOSTS, zmq_address
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.hints import Endpoint
 from kvcr.ports.control import Handler
@@ -52,50 +51,44 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _STATUS_OK = b"\x00"
-_STATUS_FAILED = b"\x01"
 _REQUEST_ID = struct.Struct(">Q")
-_MONITOR_EVENT = struct.Struct("=HI")  # libzmq's monitor frame: uint16 event, uint32 value
 _SLICE_S = 0.05  # longest single poll: how quickly close() is noticed by waiting threads
-_BATCH = 64  # requests answered between two looks at the stop flag
 _JOIN_S = 2.0  # how long close() waits for the server thread (a handler may be running)
 _DRAIN_S = 1.0  # how long close() waits for in-flight requests to notice it
-_BIND_RETRY_S = 0.5  # a just-closed socket on a shared context frees its port asynchronously
-_MAX_IDLE_PER_PEER = 4
-_MONITOR_IDS = itertools.count()
+_SOCKETS_PER_PEER = 16  # an owned context's socket limit: idle DEALERs + monitors + one-way, per peer
 
 
-class _Conn:
-    """One DEALER to one peer and its monitor; used by one thread at a time."""
-
-    __slots__ = ("address", "connected", "failure", "monitor", "recv_poller", "send_poller", "sock")
-
-    def __init__(self, address: str, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes], lib: Any) -> None:
-        self.address = address
-        self.sock = sock
-        self.monitor = monitor
-        self.connected = False
-        self.failure: str | None = None
-        self.send_poller = lib.Poller()
-        self.send_poller.register(sock, lib.POLLOUT)
-        self.send_poller.register(monitor, lib.POLLIN)
-        self.recv_poller = lib.Poller()
-        self.recv_poller.register(sock, lib.POLLIN)
-        self.recv_poller.register(monitor, lib.POLLIN)
+class _HandshakeFailed(Exception):
+    """The connection failed before its handshake completed: worth dialling with the next token's keys."""
 
 
 class ZmqControlChannel:
-    """Request/reply between peer runners over ZMQ ROUTER/DEALER. Thread-safe.
+    """Request/reply and one-way messages between peer runners over ZMQ ROUTER/DEALER. Thread-safe.
 
     Args:
         bind_host: the address ``serve`` binds (explicit; a wildcard needs ``advertise_host``).
         port: the TCP port ``serve`` binds, 1..65535.
         advertise_host: the address peers dial, when it differs from ``bind_host``.
+        token: the cluster token; with it every connection is CURVE-authenticated and encrypted,
+            without it the channel is plaintext.
+        rotation_tokens: further tokens during a token rotation: their holders are admitted by our
+            server, and our client dials with them when the current token's handshake fails.
+        allow_unauthenticated: permit a plaintext channel (no ``token``) on a non-loopback bind.
         context: a ``zmq.Context`` to share; by default the channel owns (and terminates) its own.
+            With a token, one serving channel per context (libzmq has one ZAP handler per context).
         max_message_bytes: the largest request or reply accepted from a peer.
+        max_peers: how many peers may keep sockets open at once (least recently used closed first).
+        idle_close_s: a peer unused this long has its sockets closed.
+        on_refusal: called (on the server thread) with a reason from ``REFUSAL_REASONS`` each
+            time the server refuses a connection or drops a frame; must not block.
 
     Raises:
-        ConfigError: an empty bind host, a wildcard (or missing) advertised host, a port outside 1..65535.
+        ConfigError: an empty bind host, a wildcard (or missing) advertised host, a port outside
+            1..65535, a non-loopback bind without a token (unless ``allow_unauthenticated``),
+            rotation tokens without a token, an empty token, a limit out of range.
     """
+
+    REFUSAL_REASONS = REFUSAL_REASONS
 
     def __init__(
         self,
@@ -103,8 +96,14 @@ class ZmqControlChannel:
         port: int,
         *,
         advertise_host: str | None = None,
+        token: bytes | None = None,
+        rotation_tokens: Sequence[bytes] = (),
+        allow_unauthenticated: bool = False,
         context: zmq.Context[Any] | None = None,
         max_message_bytes: int = 64 << 20,
+        max_peers: int = 256,
+        idle_close_s: float = 30.0,
+        on_refusal: Callable[[str], None] | None = None,
     ) -> None:
         if not isinstance(port, int) or not 0 < port < 65536:
             raise ConfigError(f"control port must be in 1..65535, got {port!r}")
@@ -116,6 +115,17 @@ class ZmqControlChannel:
             raise ConfigError(f"control advertise_host is required when bind_host is the wildcard {bind_host!r}")
         if max_message_bytes <= 0:
             raise ConfigError(f"control max_message_bytes must be positive, got {max_message_bytes}")
+        if not isinstance(max_peers, int) or max_peers < 1:
+            raise ConfigError(f"control max_peers must be a positive integer, got {max_peers!r}")
+        if not isinstance(idle_close_s, (int, float)) or not math.isfinite(idle_close_s) or idle_close_s <= 0:
+            raise ConfigError(f"control idle_close_s must be a positive number of seconds, got {idle_close_s!r}")
+        if token is None and rotation_tokens:
+            raise ConfigError("control rotation_tokens need a current token")
+        if token is None and not allow_unauthenticated and not _is_loopback(bind_host):
+            raise ConfigError(
+                f"control bind_host {bind_host!r} is not a loopback address and no cluster token is set: "
+                "set a token, or allow_unauthenticated to let anyone who reaches the port use it"
+            )
         try:
             self._endpoint = str(Endpoint(advertise_host or bind_host, port))
         except ValueError as exc:
@@ -123,98 +133,97 @@ class ZmqControlChannel:
 
         import zmq
 
+        keyring = Keyring(token, rotation_tokens) if token is not None else None
         self._zmq: Any = zmq
         self._own_context = context is None
-        self._context: zmq.Context[Any] = zmq.Context() if context is None else context
+        if context is None:
+            context = zmq.Context()
+            context.set(zmq.MAX_SOCKETS, max(1024, max_peers * _SOCKETS_PER_PEER + 64))
+        self._context: zmq.Context[Any] = context
         self._bind_host = bind_host
         self._port = port
+        self._keyring = keyring
+        self._unauthenticated_remote = token is None and not _is_loopback(bind_host)
         self._max_message_bytes = max_message_bytes
+        self._on_refusal = on_refusal
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         self._closed = False
         self._terminated = False
-        self._idle: dict[str, list[_Conn]] = {}
         self._in_flight = 0
-        self._ids = itertools.count(1)
-        self._stop = threading.Event()
-        self._server: threading.Thread | None = None
+        self._ids = itertools.count(1)  # 0 marks a one-way message
+        self._refusals = dict.fromkeys(REFUSAL_REASONS, 0)
+        self.dropped_sends = 0
+        """One-way messages dropped locally (closed channel, bad endpoint, queue full, too large)."""
+        self._links = PeerLinks(
+            self._context,
+            zmq,
+            keyring=keyring,
+            max_message_bytes=max_message_bytes,
+            max_peers=max_peers,
+            idle_close_s=float(idle_close_s),
+        )
+        self._server: ControlServer | None = None
         self._server_done = True
 
     @property
     def endpoint(self) -> str:
         return self._endpoint
 
+    @property
+    def authenticated(self) -> bool:
+        """Whether connections are CURVE-authenticated (a token was given)."""
+        return self._keyring is not None
+
+    @property
+    def refusals(self) -> dict[str, int]:
+        """Connections refused and frames dropped by our server so far, by reason (a snapshot)."""
+        return dict(self._refusals)
+
+    def open_peers(self) -> int:
+        """How many peers this channel keeps sockets open to right now."""
+        return self._links.open_peers()
+
     # ------------------------------------------------------------------ server
 
     def serve(self, handler: Handler) -> None:
-        lib = self._zmq
-        bind_address = self._bind_address()
         with self._lock:
             if self._closed:
                 raise TransportError(f"control channel {self._endpoint} is closed")
             if self._server is not None:
                 raise TransportError(f"control channel {self._endpoint} is already serving")
-            try:
-                sock = self._context.socket(lib.ROUTER)
-            except lib.ZMQError as exc:
-                raise TransportError(f"cannot open a control socket for {bind_address}: {exc}") from exc
-            try:
-                sock.setsockopt(lib.LINGER, 0)
-                sock.setsockopt(lib.MAXMSGSIZE, self._max_message_bytes)
-                if ":" in self._bind_host:
-                    sock.setsockopt(lib.IPV6, 1)
-                bind_with_retry(self._zmq, sock, bind_address, _BIND_RETRY_S, "control endpoint")
-            except BaseException:
-                sock.close(linger=0)
-                raise
-            self._server_done = False
-            self._server = threading.Thread(
-                target=self._serve_loop, args=(sock, handler), name=f"kvcr-control-{self._port}", daemon=True
+            server = ControlServer(
+                self._context,
+                self._zmq,
+                name=str(self._port),
+                keyring=self._keyring,
+                max_message_bytes=self._max_message_bytes,
+                on_refusal=self._count_refusal,
+                on_tick=self._links.sweep,
+                on_stopped=self._server_stopped,
             )
-            # Thread.start is a full memory barrier: the socket migrates to the server thread here.
-            self._server.start()
+            server.start(zmq_address(self._bind_host, self._port), handler, ipv6=":" in self._bind_host)
+            self._server, self._server_done = server, False
+        if self._unauthenticated_remote:
+            log.warning(
+                "control channel %s serves WITHOUT authentication on %s (allow_unauthenticated): "
+                "anyone who reaches the port can ask for leases and transport metadata",
+                self._endpoint,
+                self._bind_host,
+            )
 
-    def _bind_address(self) -> str:
-        return zmq_address(self._bind_host, self._port)
+    def _count_refusal(self, reason: str) -> None:
+        self._refusals[reason] += 1  # only the server thread writes
+        if self._on_refusal is not None:
+            try:
+                self._on_refusal(reason)
+            except Exception:  # a metrics bug must not stop the server
+                log.exception("control channel %s: the refusal callback failed", self._endpoint)
 
-    def _serve_loop(self, sock: zmq.Socket[bytes], handler: Handler) -> None:
-        lib = self._zmq
-        slice_ms = round(_SLICE_S * 1000)
-        try:
-            while not self._stop.is_set():
-                if not sock.poll(slice_ms, lib.POLLIN):
-                    continue
-                for _ in range(_BATCH):
-                    if not sock.getsockopt(lib.EVENTS) & lib.POLLIN:
-                        break
-                    self._answer(sock, sock.recv_multipart(lib.NOBLOCK), handler)
-        except lib.ZMQError as exc:
-            if not self._stop.is_set():
-                log.error("control server %s stopped: %s", self._endpoint, exc)
-        finally:
-            sock.close(linger=0)
-            with self._lock:
-                self._server_done = True
-            self._terminate_if_done()
-
-    def _answer(self, sock: zmq.Socket[bytes], frames: list[bytes], handler: Handler) -> None:
-        lib = self._zmq
-        if len(frames) != 3 or len(frames[1]) != _REQUEST_ID.size:
-            log.warning("control server %s dropped a malformed request (%d frames)", self._endpoint, len(frames))
-            return
-        identity, request_id, payload = frames
-        try:
-            reply = handler(payload)
-            if not isinstance(reply, bytes):
-                raise TypeError(f"handler returned {type(reply).__name__}, not bytes")
-            status = _STATUS_OK
-        except Exception as exc:  # a handler bug must not stop the server; the peer learns it failed
-            log.exception("control handler on %s failed", self._endpoint)
-            status, reply = _STATUS_FAILED, f"handler failed: {type(exc).__name__}".encode()
-        try:
-            sock.send_multipart([identity, request_id, status, reply], lib.NOBLOCK)
-        except lib.Again:
-            log.warning("control server %s dropped a reply: the peer is not reading", self._endpoint)
+    def _server_stopped(self) -> None:
+        with self._lock:
+            self._server_done = True
+        self._terminate_if_done()
 
     # ------------------------------------------------------------------ client
 
@@ -232,27 +241,40 @@ class ZmqControlChannel:
             raise TransportError(
                 f"control request of {len(payload)} bytes exceeds max_message_bytes={self._max_message_bytes}"
             )
+        self._enter()
+        conn: Conn | None = None
+        reusable = False
         try:
-            conn = self._checkout(str(peer), ipv6=":" in peer.host)
-            reusable = False
-            try:
-                reply, reusable = self._exchange(conn, endpoint, payload, timeout_s, deadline)
+            conn = self._links.checkout(str(peer), ipv6=":" in peer.host)
+            while True:
+                try:
+                    reply = self._exchange(conn, endpoint, payload, timeout_s, deadline)
+                except _HandshakeFailed as failed:
+                    # Token rotation: the peer may already (or still) use another token on our ring.
+                    failed_conn, conn = conn, None
+                    conn = self._links.redial(failed_conn)
+                    if conn is None:
+                        raise PeerUnavailable(f"control peer {endpoint}: {failed}") from None
+                    continue
+                reusable = True
                 return reply
-            finally:
-                self._checkin(conn, reusable)
         except self._zmq.ZMQError as exc:  # e.g. a shared context terminated under us: translate, never leak
             raise TransportError(f"control request to {endpoint} failed: {exc}") from exc
+        finally:
+            if conn is not None:
+                self._links.checkin(conn, reusable)
+            self._leave()
 
-    def _exchange(
-        self, conn: _Conn, endpoint: str, payload: bytes, timeout_s: float, deadline: float
-    ) -> tuple[bytes, bool]:
-        """Send and wait for the matching reply; returns (reply, whether the socket is reusable)."""
+    def _exchange(self, conn: Conn, endpoint: str, payload: bytes, timeout_s: float, deadline: float) -> bytes:
+        """Send and wait for the matching reply."""
         lib = self._zmq
         request_id = _REQUEST_ID.pack(next(self._ids))
         # Phase 1: with IMMEDIATE the DEALER takes the message only once a connection is up.
         while True:
-            self._read_events(conn)
+            self._links.read_events(conn)
             if conn.failure is not None:
+                if conn.handshake_failed:
+                    raise _HandshakeFailed(conn.failure)
                 raise PeerUnavailable(f"control peer {endpoint}: {conn.failure}")
             try:
                 conn.sock.send_multipart([request_id, payload], lib.NOBLOCK)
@@ -274,10 +296,10 @@ class ZmqControlChannel:
                         raise PeerRefused(f"control peer {endpoint} sent a malformed reply")
                     _, status, body = frames
                     if status == _STATUS_OK:
-                        return body, True
+                        return body
                     reason = body.decode("utf-8", "replace")[:200]
                     raise PeerRefused(f"control peer {endpoint} could not answer: {reason}")
-            self._read_events(conn)
+            self._links.read_events(conn)
             if conn.failure is not None:
                 raise PeerUnavailable(f"control peer {endpoint} went away before answering: {conn.failure}")
             if time.monotonic() >= deadline:
@@ -292,87 +314,35 @@ class ZmqControlChannel:
             raise TransportError(f"control channel {self._endpoint} was closed during a request")
         return events
 
-    def _read_events(self, conn: _Conn) -> None:
-        lib = self._zmq
-        # Reading EVENTS first avoids raising (and catching) Again on every request: it is the hot path.
-        while conn.monitor.getsockopt(lib.EVENTS) & lib.POLLIN:
-            frames = conn.monitor.recv_multipart(lib.NOBLOCK)
-            if not frames or len(frames[0]) < _MONITOR_EVENT.size:
-                continue
-            event, _ = _MONITOR_EVENT.unpack_from(frames[0])
-            if event & lib.EVENT_HANDSHAKE_SUCCEEDED:
-                conn.connected = True
-            elif event & lib.EVENT_CONNECT_RETRIED and conn.failure is None:
-                conn.failure = "connection refused" if not conn.connected else "connection lost"
-            elif event & lib.EVENT_DISCONNECTED and conn.failure is None:
-                conn.failure = "connection lost" if conn.connected else "connection dropped during the handshake"
-            elif event & _handshake_failures(lib) and conn.failure is None:
-                conn.failure = "handshake failed"
+    def send(self, endpoint: str, payload: bytes) -> None:
+        try:
+            if self._closed or len(payload) > self._max_message_bytes:
+                raise TransportError("closed, or the message is larger than max_message_bytes")
+            peer = Endpoint.parse(endpoint)
+            self._enter()
+            try:
+                sent = self._links.send(str(peer), [ONEWAY_ID, payload], ipv6=":" in peer.host)
+            finally:
+                self._leave()
+        except Exception as exc:  # best effort by contract: a one-way message never raises
+            log.debug("control channel %s dropped a one-way message to %r: %s", self._endpoint, endpoint, exc)
+            sent = False
+        if not sent:
+            with self._lock:
+                self.dropped_sends += 1
 
-    def _checkout(self, address: str, *, ipv6: bool) -> _Conn:
+    def forget(self, endpoint: str) -> None:
+        try:
+            peer = str(Endpoint.parse(endpoint))
+        except ValueError:
+            return  # nothing can be open to an endpoint we could never dial
+        self._links.forget(peer)
+
+    def _enter(self) -> None:
         with self._lock:
             if self._closed:
                 raise TransportError(f"control channel {self._endpoint} is closed")
-            pool = self._idle.get(address)
-            conn = pool.pop() if pool else None
             self._in_flight += 1
-        try:
-            if conn is not None:
-                self._read_events(conn)
-                if conn.failure is None:
-                    return conn
-                self._close_conn(conn)  # the peer went away (or restarted) since: dial afresh
-            return self._open_conn(address, ipv6=ipv6)
-        except BaseException:
-            self._leave()
-            raise
-
-    def _open_conn(self, address: str, *, ipv6: bool) -> _Conn:
-        lib = self._zmq
-        sock: zmq.Socket[bytes] | None = None
-        monitor: zmq.Socket[bytes] | None = None
-        try:
-            sock = self._context.socket(lib.DEALER)
-            sock.setsockopt(lib.LINGER, 0)
-            sock.setsockopt(lib.IMMEDIATE, 1)  # never queue a request to a connection that is not up
-            sock.setsockopt(lib.MAXMSGSIZE, self._max_message_bytes)
-            if ipv6:
-                sock.setsockopt(lib.IPV6, 1)
-            # Unique per socket: an inproc name is released asynchronously after its socket closes.
-            monitor_address = f"inproc://kvcr-control-monitor-{id(self):x}-{next(_MONITOR_IDS)}"
-            sock.monitor(
-                monitor_address,
-                lib.EVENT_HANDSHAKE_SUCCEEDED
-                | lib.EVENT_CONNECT_RETRIED
-                | lib.EVENT_DISCONNECTED
-                | _handshake_failures(lib),
-            )
-            monitor = self._context.socket(lib.PAIR)
-            monitor.setsockopt(lib.LINGER, 0)
-            monitor.connect(monitor_address)  # before dialling, so no event is missed
-            sock.connect(address)
-            return _Conn(address, sock, monitor, lib)
-        except BaseException as exc:
-            if monitor is not None:
-                monitor.close(linger=0)
-            if sock is not None:
-                sock.close(linger=0)
-            if isinstance(exc, lib.ZMQError):
-                raise TransportError(f"cannot open a control connection to {address}: {exc}") from exc
-            raise
-
-    def _checkin(self, conn: _Conn, reusable: bool) -> None:
-        keep = None
-        if reusable:
-            with self._lock:
-                pool = self._idle.setdefault(conn.address, [])
-                if not self._closed and len(pool) < _MAX_IDLE_PER_PEER:
-                    pool.append(conn)
-                    keep = conn
-        if keep is None:
-            # After a timeout this drops whatever the peer still queues for us (a stale reply).
-            self._close_conn(conn)
-        self._leave()
 
     def _leave(self) -> None:
         with self._lock:
@@ -381,13 +351,6 @@ class ZmqControlChannel:
                 self._drained.notify_all()
         self._terminate_if_done()
 
-    def _close_conn(self, conn: _Conn) -> None:
-        lib = self._zmq
-        with contextlib.suppress(lib.ZMQError):
-            conn.sock.disable_monitor()
-        conn.monitor.close(linger=0)
-        conn.sock.close(linger=0)
-
     # ------------------------------------------------------------------ close
 
     def close(self) -> None:
@@ -395,22 +358,15 @@ class ZmqControlChannel:
             if self._closed:
                 return
             self._closed = True
-            # Closed under the lock: once _closed is set, the last thread out may destroy the context.
-            for pool in self._idle.values():
-                for conn in pool:
-                    self._close_conn(conn)
-            self._idle.clear()
             server = self._server
-        self._stop.set()
-        if server is not None:
-            server.join(_JOIN_S)
-            if server.is_alive():
-                log.error(
-                    "control server %s did not stop within %.1fs (a handler is still running); "
-                    "its socket closes when the handler returns",
-                    self._endpoint,
-                    _JOIN_S,
-                )
+        self._links.close()
+        if server is not None and not server.stop(_JOIN_S):
+            log.error(
+                "control server %s did not stop within %.1fs (a handler is still running); "
+                "its socket closes when the handler returns",
+                self._endpoint,
+                _JOIN_S,
+            )
         with self._lock:
             if not self._drained.wait_for(lambda: self._in_flight == 0, timeout=_DRAIN_S):
                 log.error("control channel %s closed with %d requests still in flight", self._endpoint, self._in_flight)
@@ -429,11 +385,13 @@ class ZmqControlChannel:
         self._context.destroy(linger=0)
 
 
-def _handshake_failures(lib: Any) -> int:
-    failures: int = (
-        lib.EVENT_HANDSHAKE_FAILED_NO_DETAIL | lib.EVENT_HANDSHAKE_FAILED_PROTOCOL | lib.EVENT_HANDSHAKE_FAILED_AUTH
-    )
-    return failures
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a wildcard or a host name: not provably loopback
 
 
 if TYPE_CHECKING:

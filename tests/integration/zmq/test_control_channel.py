@@ -1,5 +1,6 @@
 """ZmqControlChannel behaviour beyond the contract: concurrency, stalls, restarts, failures, close."""
 
+import json
 import socket
 import struct
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 import zmq
 
 from kvcr.adapters.zmq import ZmqControlChannel
+from kvcr.adapters.zmq.curve import Keyring
 from kvcr.domain.errors import ConfigError
 from kvcr.ports.errors import ControlTimeout, PeerRefused, PeerUnavailable, TransportError
 from tests.contract.zmq_kind import free_port
@@ -226,13 +228,13 @@ def test_the_advertised_endpoint(channels):
         ("0.0.0.0", "10.0.0.7", "tcp://10.0.0.7:41000"),
         ("::1", None, "tcp://[::1]:41000"),
     ]:
-        channel = ZmqControlChannel(bind_host, 41000, advertise_host=advertise_host)
+        channel = ZmqControlChannel(bind_host, 41000, advertise_host=advertise_host, allow_unauthenticated=True)
         assert channel.endpoint == endpoint
         channel.close()
 
 
 def test_a_wildcard_bind_is_reachable_through_the_advertised_host(channels):
-    wildcard = ZmqControlChannel("0.0.0.0", free_port(), advertise_host="127.0.0.1")
+    wildcard = ZmqControlChannel("0.0.0.0", free_port(), advertise_host="127.0.0.1", allow_unauthenticated=True)
     try:
         wildcard.serve(echo)
         assert channels().request(wildcard.endpoint, b"w", timeout_s=2.0) == b"echo:w"
@@ -278,3 +280,204 @@ def test_a_shared_context_is_left_running(channels):
 def test_importing_the_package_does_not_import_pyzmq():
     code = "import sys, kvcr.adapters.zmq; assert 'zmq' not in sys.modules, 'zmq imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ------------------------------------------------------------------ security settings
+
+TOKEN = b"a-cluster-token-of-32-bytes-long"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "setting"),
+    [
+        ({"bind_host": "10.0.0.7"}, "allow_unauthenticated"),
+        ({"bind_host": "0.0.0.0", "advertise_host": "10.0.0.7"}, "allow_unauthenticated"),
+        ({"bind_host": "my-host"}, "allow_unauthenticated"),
+        ({"rotation_tokens": [b"next-token-next-token"]}, "rotation_tokens"),
+        ({"token": b""}, "token"),
+        ({"max_peers": 0}, "max_peers"),
+        ({"idle_close_s": 0}, "idle_close_s"),
+        ({"idle_close_s": float("nan")}, "idle_close_s"),
+    ],
+)
+def test_unsafe_or_bad_security_settings_are_config_errors_naming_the_setting(kwargs, setting):
+    kwargs = {"bind_host": "127.0.0.1", **kwargs}
+    with pytest.raises(ConfigError, match=setting):
+        ZmqControlChannel(kwargs.pop("bind_host"), 41000, **kwargs)
+
+
+def test_a_routable_bind_needs_a_token_or_an_explicit_opt_in_which_is_logged(caplog):
+    with_token = ZmqControlChannel("0.0.0.0", free_port(), advertise_host="127.0.0.1", token=TOKEN)
+    loopback = ZmqControlChannel("::1", free_port())  # loopback needs nothing
+    assert with_token.authenticated and not loopback.authenticated
+    with_token.close()
+    loopback.close()
+    opened = ZmqControlChannel("0.0.0.0", free_port(), advertise_host="127.0.0.1", allow_unauthenticated=True)
+    try:
+        with caplog.at_level("WARNING"):
+            opened.serve(echo)
+        assert any("WITHOUT authentication" in r.getMessage() for r in caplog.records)
+    finally:
+        opened.close()
+
+
+def test_curve_channels_round_trip_and_a_plaintext_server_refuses_a_curve_client(channels):
+    server, client = channels(token=TOKEN), channels(token=TOKEN)
+    server.serve(echo)
+    assert server.authenticated
+    assert client.request(server.endpoint, b"secret", timeout_s=2.0) == b"echo:secret"
+    plain = channels()
+    plain.serve(echo)
+    began = time.monotonic()
+    with pytest.raises(PeerUnavailable, match="handshake failed"):
+        client.request(plain.endpoint, b"x", timeout_s=5.0)
+    assert time.monotonic() - began < 0.5
+
+
+def test_two_authenticated_servers_cannot_share_one_context():
+    ctx = zmq.Context()
+    first = ZmqControlChannel("127.0.0.1", free_port(), token=TOKEN, context=ctx)
+    second = ZmqControlChannel("127.0.0.1", free_port(), token=TOKEN, context=ctx)
+    try:
+        first.serve(echo)
+        with pytest.raises(TransportError, match="context"):
+            second.serve(echo)
+    finally:
+        first.close()
+        second.close()
+        ctx.term()
+
+
+def test_refusals_are_counted_by_reason_and_reported_to_the_callback(channels):
+    reported = []
+
+    def callback(reason):
+        reported.append(reason)
+        raise RuntimeError("a broken metrics sink must not stop the server")
+
+    server = channels(token=TOKEN, on_refusal=callback)
+    server.serve(echo)
+    outsider = channels(token=b"another-token-of-the-same-length")
+    with pytest.raises(PeerUnavailable):
+        outsider.request(server.endpoint, b"x", timeout_s=2.0)
+    ctx = zmq.Context()
+    try:
+        member = ctx.socket(zmq.DEALER)
+        member.linger = 0
+        Keyring(TOKEN).configure_client(member, 0)
+        member.connect(server.endpoint)
+        member.send(b"one frame is not a request")
+        give_up = time.monotonic() + 5
+        while server.refusals["frame"] < 1 and time.monotonic() < give_up:
+            time.sleep(0.01)
+    finally:
+        ctx.destroy(linger=0)
+    assert set(server.refusals) == set(ZmqControlChannel.REFUSAL_REASONS)
+    assert server.refusals["frame"] == 1
+    assert "frame" in reported
+    assert channels(token=TOKEN).request(server.endpoint, b"ok", timeout_s=2.0) == b"echo:ok"
+
+
+# ------------------------------------------------------------------ one-way messages and bounded links
+
+
+def test_one_way_messages_to_a_dead_peer_are_dropped_without_blocking(channels):
+    client = channels()
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    began = time.monotonic()
+    for _ in range(5000):
+        client.send(dead, b"RELEASE")
+    assert time.monotonic() - began < 2.0
+    assert client.dropped_sends > 0  # beyond the small queue kept while (re)connecting
+    assert client.open_peers() == 1
+
+
+def test_a_one_way_message_whose_handler_fails_is_logged_rarely_and_the_server_keeps_serving(channels, caplog):
+    server, client = channels(), channels()
+    failures = []
+
+    def handler(payload):
+        if payload == b"RELEASE":
+            failures.append(payload)
+            raise RuntimeError("handler bug")
+        return echo(payload)
+
+    server.serve(handler)
+    assert client.request(server.endpoint, b"up", timeout_s=2.0) == b"echo:up"
+    with caplog.at_level("WARNING"):
+        for _ in range(200):
+            client.send(server.endpoint, b"RELEASE")
+        give_up = time.monotonic() + 5
+        while len(failures) < 200 and time.monotonic() < give_up:
+            time.sleep(0.01)
+    assert len(failures) == 200
+    assert sum("handler on" in r.getMessage() for r in caplog.records) == 1
+    assert client.request(server.endpoint, b"still", timeout_s=2.0) == b"echo:still"
+
+
+def test_at_most_max_peers_keep_sockets_and_evicted_peers_are_dialled_again(channels):
+    servers = [channels() for _ in range(6)]
+    for i, server in enumerate(servers):
+        server.serve(lambda payload, i=i: f"{i}".encode())
+    client = channels(max_peers=3)
+    for _ in range(2):
+        for i, server in enumerate(servers):
+            assert client.request(server.endpoint, b"?", timeout_s=2.0) == f"{i}".encode()
+            assert client.open_peers() <= 3
+    client.send(servers[0].endpoint, b"one-way counts as use")
+    assert client.open_peers() <= 3
+
+
+def test_idle_peers_are_closed_after_idle_close_s(channels):
+    servers = [channels() for _ in range(3)]
+    for server in servers:
+        server.serve(echo)
+    client = channels(idle_close_s=0.2)
+    client.serve(echo)  # its server thread runs the idle sweep
+    for server in servers:
+        assert client.request(server.endpoint, b"x", timeout_s=2.0) == b"echo:x"
+    assert client.open_peers() == 3
+    give_up = time.monotonic() + 5
+    while client.open_peers() and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert client.open_peers() == 0
+    assert client.request(servers[0].endpoint, b"y", timeout_s=2.0) == b"echo:y"
+
+
+def test_forget_closes_the_sockets_kept_for_a_peer(channels):
+    server, other, client = channels(), channels(), channels()
+    server.serve(echo)
+    other.serve(echo)
+    assert client.request(server.endpoint, b"x", timeout_s=2.0) == b"echo:x"
+    assert client.request(other.endpoint, b"x", timeout_s=2.0) == b"echo:x"
+    assert client.open_peers() == 2
+    client.forget(server.endpoint)
+    assert client.open_peers() == 1
+    assert client.request(server.endpoint, b"y", timeout_s=2.0) == b"echo:y"
+
+
+def test_forget_during_a_request_closes_its_socket_when_the_request_ends(channels):
+    server, client = channels(), channels()
+    release = threading.Event()
+    server.serve(lambda payload: release.wait(5) and echo(payload))
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(client.request(server.endpoint, b"x", timeout_s=5.0)))
+    thread.start()
+    time.sleep(0.2)
+    client.forget(server.endpoint)
+    release.set()
+    thread.join(5)
+    assert outcome == [b"echo:x"]
+    assert client.open_peers() == 0
+
+
+@pytest.mark.multiprocess
+def test_the_round_trip_benchmark_runs_and_reports_every_case(capsys):
+    from kvcr.adapters.zmq import bench
+
+    bench.main(["--requests", "50", "--cold", "10", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["results"]) == {"raw", "plaintext", "curve", "plaintext cold", "curve cold"}
+    for result in report["results"].values():
+        assert 0 < result["p50_us"] <= result["p99_us"]
+    assert report["results"]["plaintext"]["p50_vs_plaintext"] == 1.0

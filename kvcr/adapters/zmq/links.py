@@ -1,0 +1,340 @@
+"""The client side's connections to peers: a bounded LRU of per-peer DEALER pools.
+
+Why bounded: a target hinted towards hundreds of sources would otherwise keep a socket (and a
+TCP connection, a monitor, file descriptors) open to each of them for ever. Here at most
+``max_peers`` peers keep sockets; the least recently used peer is closed when a new one comes,
+and a peer unused for ``idle_close_s`` is closed at the next sweep (run by every checkout and
+send, and by the server thread when the channel serves).
+
+Per peer:
+
+- up to four idle request sockets (DEALER with ``IMMEDIATE``: it takes a message only once a
+  connection is up), each with a socket monitor so a refused, failed or dropped connection is
+  seen within milliseconds. A socket is used by one thread at a time (checked out, checked in).
+- at most one one-way socket (DEALER without ``IMMEDIATE``, so a message queues while the
+  connection is being made, up to a small high-water mark; beyond it messages are dropped).
+  A one-way message prefers an idle request socket that is already connected.
+- the index of the keyring entry whose keys last completed a handshake with it (token rotation).
+
+A connection checked out while its peer is evicted or forgotten is closed at check-in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvcr.adapters.zmq.curve import Keyring
+from kvcr.ports.errors import TransportError
+
+if TYPE_CHECKING:
+    import zmq
+
+MAX_IDLE_PER_PEER = 4
+_ONEWAY_HWM = 256  # one-way messages queued per peer while its connection is not up
+_ONEWAY_MAX_INBOUND = 1024  # nothing ever answers a one-way socket: a peer that does is dropped
+_REQUEST_RCVHWM = 8  # replies queued per request socket: one is expected, the rest are stale
+_MONITOR_EVENT = struct.Struct("=HI")  # libzmq's monitor frame: uint16 event, uint32 value
+_MONITOR_IDS = itertools.count()
+
+
+class Conn:
+    """One request DEALER to one peer and its monitor; used by one thread at a time."""
+
+    __slots__ = (
+        "address",
+        "connected",
+        "failure",
+        "handshake_failed",
+        "key_index",
+        "link",
+        "monitor",
+        "recv_poller",
+        "send_poller",
+        "sock",
+    )
+
+    def __init__(self, link: _Link, key_index: int, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes], lib: Any):
+        self.address = link.address
+        self.link = link
+        self.key_index = key_index
+        self.sock = sock
+        self.monitor = monitor
+        self.connected = False
+        self.failure: str | None = None
+        self.handshake_failed = False
+        self.send_poller = lib.Poller()
+        self.send_poller.register(sock, lib.POLLOUT)
+        self.send_poller.register(monitor, lib.POLLIN)
+        self.recv_poller = lib.Poller()
+        self.recv_poller.register(sock, lib.POLLIN)
+        self.recv_poller.register(monitor, lib.POLLIN)
+
+
+class _Link:
+    """Everything kept open to one peer."""
+
+    __slots__ = ("address", "idle", "ipv6", "key_index", "last_used", "oneway")
+
+    def __init__(self, address: str, ipv6: bool, now: float) -> None:
+        self.address = address
+        self.ipv6 = ipv6
+        self.idle: list[Conn] = []
+        self.oneway: zmq.Socket[bytes] | None = None
+        self.key_index = 0
+        self.last_used = now
+
+
+class PeerLinks:
+    """Thread-safe pool of connections to peers, bounded in peers and in idle time."""
+
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        lib: Any,
+        *,
+        keyring: Keyring | None,
+        max_message_bytes: int,
+        max_peers: int,
+        idle_close_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._context = context
+        self._zmq = lib
+        self._keyring = keyring
+        self._max_message_bytes = max_message_bytes
+        self._max_peers = max_peers
+        self._idle_close_s = idle_close_s
+        self._sweep_every_s = min(1.0, idle_close_s / 4)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._links: OrderedDict[str, _Link] = OrderedDict()  # least recently used first
+        self._closed = False
+        self._last_sweep = clock()
+        self._failures = lib.EVENT_HANDSHAKE_FAILED_NO_DETAIL | lib.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        self._failures |= lib.EVENT_HANDSHAKE_FAILED_AUTH
+
+    @property
+    def key_count(self) -> int:
+        """How many keyrings a dial may try (1 without CURVE)."""
+        return len(self._keyring) if self._keyring is not None else 1
+
+    def open_peers(self) -> int:
+        """How many peers currently have sockets kept open (idle or one-way)."""
+        with self._lock:
+            return sum(1 for link in self._links.values() if link.idle or link.oneway is not None)
+
+    # ------------------------------------------------------------------ request sockets
+
+    def checkout(self, address: str, *, ipv6: bool) -> Conn:
+        """An idle healthy connection to ``address``, or a new one (not yet connected).
+
+        Raises:
+            TransportError: the pool is closed, or libzmq could not open a socket.
+        """
+        with self._lock:
+            if self._closed:
+                raise TransportError("control channel is closed")
+            link = self._touch(address, ipv6)
+            conn = link.idle.pop() if link.idle else None
+            key_index = link.key_index
+        while conn is not None:
+            self.read_events(conn)
+            if conn.failure is None:
+                return conn
+            self._close_conn(conn)  # the peer went away (or restarted) since: dial afresh
+            with self._lock:
+                conn = link.idle.pop() if link.idle else None
+        return self._open(link, key_index)
+
+    def redial(self, conn: Conn) -> Conn | None:
+        """Close ``conn``, whose handshake failed, and dial with the next token's keys (None: none left)."""
+        self._close_conn(conn)
+        if conn.key_index + 1 >= self.key_count:
+            return None
+        return self._open(conn.link, conn.key_index + 1)
+
+    def checkin(self, conn: Conn, reusable: bool) -> None:
+        """Return ``conn`` to its peer's pool, or close it (not reusable, pool full, peer evicted)."""
+        keep = False
+        if reusable:
+            with self._lock:
+                link = self._links.get(conn.address)
+                if not self._closed and link is conn.link and len(link.idle) < MAX_IDLE_PER_PEER:
+                    link.idle.append(conn)
+                    link.key_index = conn.key_index  # these keys completed a handshake: dial with them next
+                    link.last_used = self._clock()
+                    keep = True
+        if not keep:
+            # After a timeout this drops whatever the peer still queues for us (a stale reply).
+            self._close_conn(conn)
+
+    def _open(self, link: _Link, key_index: int) -> Conn:
+        lib = self._zmq
+        sock: zmq.Socket[bytes] | None = None
+        monitor: zmq.Socket[bytes] | None = None
+        try:
+            sock = self._new_dealer(link, key_index)
+            sock.setsockopt(lib.IMMEDIATE, 1)  # never queue a request to a connection that is not up
+            sock.setsockopt(lib.MAXMSGSIZE, self._max_message_bytes)
+            sock.setsockopt(lib.RCVHWM, _REQUEST_RCVHWM)
+            # Unique per socket: an inproc name is released asynchronously after its socket closes.
+            monitor_address = f"inproc://kvcr-control-monitor-{id(self):x}-{next(_MONITOR_IDS)}"
+            events = lib.EVENT_HANDSHAKE_SUCCEEDED | lib.EVENT_CONNECT_RETRIED | lib.EVENT_DISCONNECTED
+            sock.monitor(monitor_address, events | self._failures)
+            monitor = self._context.socket(lib.PAIR)
+            monitor.setsockopt(lib.LINGER, 0)
+            monitor.connect(monitor_address)  # before dialling, so no event is missed
+            sock.connect(link.address)
+            return Conn(link, key_index, sock, monitor, lib)
+        except BaseException as exc:
+            if monitor is not None:
+                monitor.close(linger=0)
+            if sock is not None:
+                sock.close(linger=0)
+            if isinstance(exc, lib.ZMQError):
+                raise TransportError(f"cannot open a control connection to {link.address}: {exc}") from exc
+            raise
+
+    def _new_dealer(self, link: _Link, key_index: int) -> zmq.Socket[bytes]:
+        lib = self._zmq
+        sock: zmq.Socket[bytes] = self._context.socket(lib.DEALER)
+        try:
+            sock.setsockopt(lib.LINGER, 0)
+            if link.ipv6:
+                sock.setsockopt(lib.IPV6, 1)
+            if self._keyring is not None:
+                self._keyring.configure_client(sock, key_index)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
+
+    def read_events(self, conn: Conn) -> None:
+        """Fold the monitor's pending events into ``conn.connected`` / ``conn.failure``."""
+        lib = self._zmq
+        # Reading EVENTS first avoids raising (and catching) Again on every request: it is the hot path.
+        while conn.monitor.getsockopt(lib.EVENTS) & lib.POLLIN:
+            frames = conn.monitor.recv_multipart(lib.NOBLOCK)
+            if not frames or len(frames[0]) < _MONITOR_EVENT.size:
+                continue
+            event, _ = _MONITOR_EVENT.unpack_from(frames[0])
+            if conn.failure is not None:
+                continue
+            if event & lib.EVENT_HANDSHAKE_SUCCEEDED:
+                conn.connected = True
+            elif event & self._failures:
+                conn.handshake_failed = not conn.connected
+                conn.failure = (
+                    "handshake failed (no shared cluster token, or not the same security)"
+                    if conn.handshake_failed
+                    else "a frame failed authentication, the connection is closed"
+                )
+            elif event & lib.EVENT_CONNECT_RETRIED:
+                conn.failure = "connection refused" if not conn.connected else "connection lost"
+            elif event & lib.EVENT_DISCONNECTED:
+                conn.failure = "connection lost" if conn.connected else "connection dropped during the handshake"
+                conn.handshake_failed = not conn.connected
+
+    # ------------------------------------------------------------------ one-way
+
+    def send(self, address: str, frames: list[bytes], *, ipv6: bool) -> bool:
+        """Queue a one-way message without blocking; False when it was dropped."""
+        lib = self._zmq
+        with self._lock:
+            if self._closed:
+                return False
+            link = self._touch(address, ipv6)
+            for conn in reversed(link.idle):  # idle, so ours while we hold the lock
+                self.read_events(conn)
+                if conn.connected and conn.failure is None:
+                    try:
+                        conn.sock.send_multipart(frames, lib.NOBLOCK)
+                        return True
+                    except lib.Again:
+                        break
+            if link.oneway is None:
+                sock = self._new_dealer(link, link.key_index)
+                try:
+                    sock.setsockopt(lib.SNDHWM, _ONEWAY_HWM)
+                    sock.setsockopt(lib.RCVHWM, 1)
+                    sock.setsockopt(lib.MAXMSGSIZE, _ONEWAY_MAX_INBOUND)
+                    sock.connect(address)
+                except BaseException:
+                    sock.close(linger=0)
+                    raise
+                link.oneway = sock
+            try:
+                link.oneway.send_multipart(frames, lib.NOBLOCK)
+                return True
+            except lib.Again:
+                return False
+
+    # ------------------------------------------------------------------ bounds
+
+    def _touch(self, address: str, ipv6: bool) -> _Link:
+        """The link to ``address`` as the most recently used (created, evicting the oldest); lock held."""
+        now = self._clock()
+        link = self._links.get(address)
+        if link is None:
+            link = self._links[address] = _Link(address, ipv6, now)
+            while len(self._links) > self._max_peers:
+                _, oldest = self._links.popitem(last=False)
+                self._close_link(oldest)
+        else:
+            self._links.move_to_end(address)
+        link.last_used = now
+        if now - self._last_sweep >= self._sweep_every_s:
+            self._sweep_locked(now)
+        return link
+
+    def sweep(self) -> None:
+        """Close every peer unused for ``idle_close_s`` (cheap when nothing is due)."""
+        now = self._clock()
+        with self._lock:
+            if not self._closed and now - self._last_sweep >= self._sweep_every_s:
+                self._sweep_locked(now)
+
+    def _sweep_locked(self, now: float) -> None:
+        self._last_sweep = now
+        while self._links:
+            link = next(iter(self._links.values()))
+            if now - link.last_used < self._idle_close_s:
+                break  # the rest were used more recently
+            del self._links[link.address]
+            self._close_link(link)
+
+    def forget(self, address: str) -> None:
+        """Close everything kept open to ``address``; connections in use close at check-in."""
+        with self._lock:
+            link = self._links.pop(address, None)
+            if link is not None:
+                self._close_link(link)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for link in self._links.values():
+                self._close_link(link)
+            self._links.clear()
+
+    def _close_link(self, link: _Link) -> None:
+        """Close a link's idle and one-way sockets (lock held; nobody else uses them)."""
+        for conn in link.idle:
+            self._close_conn(conn)
+        link.idle.clear()
+        if link.oneway is not None:
+            link.oneway.close(linger=0)
+            link.oneway = None
+
+    def _close_conn(self, conn: Conn) -> None:
+        with contextlib.suppress(self._zmq.ZMQError):
+            conn.sock.disable_monitor()
+        conn.monitor.close(linger=0)
+        conn.sock.close(linger=0)
