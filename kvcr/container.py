@@ -147,7 +147,12 @@ def _zmq_control(settings: NodeSettings) -> ControlChannel:
     from kvcr.adapters.zmq import ZmqControlChannel
 
     return ZmqControlChannel(
-        settings.control_host, settings.control_port, advertise_host=settings.advertise_host, token=settings.token
+        settings.control_host,
+        settings.control_port,
+        advertise_host=settings.advertise_host,
+        token=settings.token,
+        rotation_tokens=settings.rotation_tokens,
+        allow_unauthenticated=settings.allow_unauthenticated,
     )
 
 

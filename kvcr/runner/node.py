@@ -57,6 +57,7 @@ class NodeSettings:
     control_port: int
     advertise_host: str | None = None
     token: bytes | None = None
+    rotation_tokens: tuple[bytes, ...] = ()
     allow_unauthenticated: bool = False
     peer: PeerSettings = field(default_factory=PeerSettings)
     close_lease_wait_s: float = 2.0
@@ -106,12 +107,6 @@ class RunnerNode:
         self._host_ids: dict[str, tuple[tuple[RegionDescriptor, ...], tuple[int, ...]]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        if settings.token is None and not is_loopback(settings.control_host):
-            log.warning(
-                "kvcr: control endpoint %s has no authentication (allow_unauthenticated is set): anyone who "
-                "reaches it can read this replica's kvcr DRAM",
-                settings.endpoint,
-            )
         arena_ids = {pool: data_plane.register(regions, exposed=True) for pool, regions in runner.pool_arenas().items()}
         self.server = PeerServer(runner, data_plane, arena_ids, metrics)
         self.staging = StagingPool(memory, data_plane, settings.peer.max_pages_per_read, settings.peer.staging_buffers)

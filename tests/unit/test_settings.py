@@ -23,6 +23,7 @@ from kvcr.integrations.shared.settings import parse_settings, read_token_file
         ({"verify_bytes": 1}, "verify_bytes"),
         ({"landing": "sideways"}, "landing"),
         ({"peer_allowlist": [3]}, "peer_allowlist"),
+        ({"rotation_token_files": ["/x"]}, "rotation_token_files"),
         ({"peer_allowlist": "10.0.0.0/8"}, "peer_allowlist"),
         ({"max_peer_links": 0}, "max_peer_links"),
         ({"recompute_tokens_per_s": -1}, "recompute_tokens_per_s"),

@@ -132,7 +132,13 @@ class Started:
                 self.kv_events.close()  # the router forgets this replica's pages
 
 
-def start(config: Any, settings: KvcrSettings, token: bytes | None, host_pools: Mapping[str, Any]) -> Started:
+def start(
+    config: Any,
+    settings: KvcrSettings,
+    token: bytes | None,
+    rotation: tuple[bytes, ...],
+    host_pools: Mapping[str, Any],
+) -> Started:
     """Describe the host pools, build the runner (and node), and register the pools with them."""
     if KV not in host_pools:
         raise LayoutError("no KV host pool was registered")
@@ -161,6 +167,7 @@ def start(config: Any, settings: KvcrSettings, token: bytes | None, host_pools: 
             layout.control_port(settings.control_port),
             advertise_host=settings.control_advertise_host,
             token=token,
+            rotation_tokens=rotation,
             allow_unauthenticated=settings.allow_unauthenticated,
             peer=PeerSettings(
                 max_pages_per_read=settings.read_batch_pages,

@@ -60,6 +60,7 @@ class KvcrSettings:
     verify_bytes: bool = True
     landing: str = "auto"
     auth_token_file: str | None = None
+    rotation_token_files: tuple[str, ...] = ()
     allow_unauthenticated: bool = False
     peer_allowlist: tuple[str, ...] = ()
     recompute_tokens_per_s: float = 0.0
@@ -84,6 +85,10 @@ class KvcrSettings:
     def token(self) -> bytes | None:
         """The cluster token's bytes (read once at start-up), or None; see :func:`read_token_file`."""
         return None if self.auth_token_file is None else read_token_file(self.auth_token_file)
+
+    def rotation_tokens(self) -> tuple[bytes, ...]:
+        """Tokens also admitted (and dialled with) while the cluster rotates to a new token."""
+        return tuple(read_token_file(path) for path in self.rotation_token_files)
 
     def allows(self, host: str) -> bool:
         """Whether a hinted source at ``host`` is one the operator allows (any, without an allowlist)."""
@@ -149,6 +154,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "verify_bytes": (bool,),
     "landing": (str,),
     "auth_token_file": (str, type(None)),
+    "rotation_token_files": (list,),
     "allow_unauthenticated": (bool,),
     "peer_allowlist": (list,),
     "recompute_tokens_per_s": (int, float),
@@ -178,7 +184,7 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> KvcrSettings:
             names = " or ".join("null" if t is type(None) else t.__name__ for t in expected)
             raise ConfigError(f"kvcr setting {key!r} must be {names}, got {_shown(value)}")
         if isinstance(value, list):
-            value = _allowlist(value)
+            value = _strings(key, value)
         values[key] = value
     settings = KvcrSettings(**values)
     _check(settings)
@@ -190,10 +196,10 @@ def _shown(value: object) -> str:
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
-def _allowlist(entries: list[Any]) -> tuple[str, ...]:
+def _strings(key: str, entries: list[Any]) -> tuple[str, ...]:
     for entry in entries:
         if not isinstance(entry, str) or not entry:
-            raise ConfigError(f"peer_allowlist entries must be hosts or networks (strings), got {_shown(entry)}")
+            raise ConfigError(f"{key} entries must be non-empty strings, got {_shown(entry)}")
     return tuple(entries)
 
 
@@ -219,6 +225,8 @@ def _check(s: KvcrSettings) -> None:
         raise ConfigError(f"landing must be one of {', '.join(LANDINGS)}, got {_shown(s.landing)}")
     if s.policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(sorted(POLICIES))}, got {_shown(s.policy)}")
+    if s.rotation_token_files and s.auth_token_file is None:
+        raise ConfigError("rotation_token_files needs auth_token_file (the token this node binds with)")
     if s.enable_remote_hint and s.control_port == 0:
         raise ConfigError("enable_remote_hint needs a control_port (peers and hints name control endpoints)")
     s.timing()  # the cross-field rules (abandon >= operation, control <= operation, lease > margin)
