@@ -253,10 +253,12 @@ def _settings(options: DoctorOptions) -> tuple[Any, Finding]:
         return None, Finding("config", Status.FAIL, f"--sglang-config is not JSON: {exc}")
     if not isinstance(data, dict):
         return None, Finding("config", Status.FAIL, "--sglang-config must be a JSON object")
-    from kvcr.integrations.sglang.settings import parse_settings
-
     try:
+        from kvcr.integrations.sglang.settings import parse_settings
+
         settings = parse_settings(data)
+    except ImportError as exc:
+        return None, Finding("config", Status.FAIL, f"cannot check --sglang-config: SGLang does not import ({exc})")
     except KvcrError as exc:
         return None, Finding("config", Status.FAIL, f"--sglang-config: {exc}")
     return settings, Finding("config", Status.OK, f"extra-config parses (transport {settings.transport})")
