@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -116,6 +118,10 @@ def _measure_local(args: argparse.Namespace, progress: _Progress) -> list[Any]:
 def _measure_sglang(args: argparse.Namespace, progress: _Progress) -> tuple[list[Any], list[Any]]:
     from kvcr.bench.sglang import LAYER_BYTES, run_sglang, run_sglang_remote
 
+    # SGLang warns on import that its GPU-only quantizers are unusable on a CPU; not news here, and
+    # the replica process it starts inherits the same filter.
+    warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore:Only CUDA:UserWarning")
     sizes = _sizes(args.page_sizes)
     for size in sizes:
         if size % LAYER_BYTES:

@@ -120,3 +120,16 @@ def test_each_legacy_counter_translates_into_valid_catalogue_series(name):
         spec, _ = check(new_name, Kind.COUNTER, new_labels)
         assert value in (1, 3) and spec.name is new_name
     assert translate("kvcr_pages_total", 1, {}) is None
+
+
+def test_the_operator_docs_list_every_metric_and_label_value():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in docs.splitlines() if line.startswith("| `kvcr_")}
+    assert set(rows) == set(CATALOGUE)
+    for spec in SPECS:
+        row = rows[spec.name.value]
+        assert f"| {spec.kind.value} |" in row
+        for label, allowed in spec.labels:
+            assert f"`{label}`" in row, (spec.name, label)
+            if label != "pool" and "as above" not in row:
+                assert all(value in row for value in allowed), (spec.name, label)
