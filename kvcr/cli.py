@@ -1,74 +1,293 @@
-"""The ``kvcr`` command: ``demo`` and ``bench``."""
+"""The ``kvcr`` command: ``demo``, ``bench`` and ``doctor``.
+
+Every option says what it does and its default (``--help``). A mistake is one line naming the
+option to change; nothing here prints a traceback for an expected failure.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Sequence
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
+from typing import Any, NoReturn
 
-from kvcr.domain.units import parse_byte_size
+from kvcr.domain.errors import KvcrError
+from kvcr.domain.units import format_byte_size, parse_byte_size
 
 
-def _sizes(text: str) -> list[int]:
-    return [parse_byte_size(part, name="--page-sizes") for part in text.split(",") if part]
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line naming the command and its help."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default; flags that are off by default say nothing more."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in text:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _positive(option: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+        return value
+
+    parse.__name__ = option
+    return parse
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535, got {value}")
+    return value
+
+
+def _sizes(text: str, option: str = "--page-sizes") -> list[int]:
+    sizes = [parse_byte_size(part.strip(), name=option) for part in text.split(",") if part.strip()]
+    if not sizes:
+        raise KvcrError(f"{option}: give at least one size, e.g. 64KiB,2MiB")
+    return sizes
+
+
+def _batches(text: str) -> list[int]:
+    try:
+        batches = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise KvcrError(f"--batches: give page counts separated by commas, got {text!r}") from None
+    if not batches or min(batches) <= 0:
+        raise KvcrError(f"--batches: every batch must be a positive page count, got {text!r}")
+    return batches
+
+
+class _Progress:
+    """``[i/n] what ... done in Xs`` on stderr, so a long run shows where it is."""
+
+    def __init__(self, total: int, quiet: bool = False) -> None:
+        self.total, self.done, self.quiet = total, 0, quiet
+
+    def step(self, what: str, call: Callable[[], Any]) -> Any:
+        self.done += 1
+        if not self.quiet:
+            print(f"[{self.done}/{self.total}] {what} ...", end="", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        try:
+            result = call()
+        except BaseException:
+            if not self.quiet:
+                print(" failed", file=sys.stderr, flush=True)
+            raise
+        if not self.quiet:
+            print(f" done in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+        return result
+
+
+# ---------------------------------------------------------------------- bench
+
+
+def _measure_local(args: argparse.Namespace, progress: _Progress) -> list[Any]:
+    from kvcr.bench.local import run_local
+
+    return [
+        progress.step(
+            f"local: {format_byte_size(s)} pages x {args.pages}", partial(run_local, s, args.pages, args.reps)
+        )
+        for s in _sizes(args.page_sizes)
+    ]
+
+
+def _measure_sglang(args: argparse.Namespace, progress: _Progress) -> tuple[list[Any], list[Any]]:
+    from kvcr.bench.sglang import run_sglang, run_sglang_remote
+    from kvcr.testing.sglang import LAYER_BYTES
+
+    # SGLang warns on import that its GPU-only quantizers are unusable on a CPU; not news here, and
+    # the replica process it starts inherits the same filter.
+    warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore:Only CUDA:UserWarning")
+    sizes = _sizes(args.page_sizes)
+    for size in sizes:
+        if size % LAYER_BYTES:
+            raise KvcrError(f"--page-sizes: {size} is not a multiple of one layer ({LAYER_BYTES} bytes)")
+    local = [
+        progress.step(
+            f"sglang: {format_byte_size(s)} pages x {args.pages} (local)",
+            partial(run_sglang, s // LAYER_BYTES, args.pages, args.reps),
+        )
+        for s in sizes
+    ]
+    remote = []
+    if not args.local_only:
+        remote = [
+            progress.step(
+                f"sglang: {format_byte_size(s)} pages x {args.pages} (hinted remote)",
+                partial(run_sglang_remote, s // LAYER_BYTES, args.pages, args.reps),
+            )
+            for s in sizes
+        ]
+    return local, remote
+
+
+def _measure_remote(args: argparse.Namespace, progress: _Progress) -> list[Any]:
+    from kvcr.bench.remote import run_remote
+
+    batches = _batches(args.batches)
+    results: list[Any] = []
+    for i, size in enumerate(_sizes(args.page_sizes)):
+        port = args.port + 10 * i if args.port else None
+        results.extend(
+            progress.step(
+                f"remote: {format_byte_size(size)} pages, batches {args.batches}",
+                partial(run_remote, size, batches, args.reps, port=port),
+            )
+        )
+    return results
 
 
 def _bench_local(args: argparse.Namespace) -> int:
-    from kvcr.bench.local import as_dict, local_table, run_local
+    from kvcr.bench.local import as_dict, local_table
+    from kvcr.bench.plot import plot_local
 
-    results = []
-    for size in _sizes(args.page_sizes):
-        results.append(run_local(size, args.pages, args.reps))
-        print(f"  measured {size} B pages", file=sys.stderr)
+    results = _measure_local(args, _Progress(len(_sizes(args.page_sizes))))
     print(local_table(results))
-    _write_json(args.json, [as_dict(r) for r in results])
+    _write(args, [as_dict(r) for r in results], lambda png: plot_local(results, png))
     return 0
 
 
 def _bench_sglang(args: argparse.Namespace) -> int:
-    from kvcr.bench.sglang import as_dict, run_sglang, run_sglang_remote, sglang_remote_table, sglang_table
-    from kvcr.testing.sglang import LAYER_BYTES
+    from kvcr.bench.plot import plot_sglang
+    from kvcr.bench.sglang import as_dict, sglang_remote_table, sglang_table
 
-    sizes = _sizes(args.page_sizes)
-    for size in sizes:
-        if size % LAYER_BYTES:
-            raise SystemExit(f"--page-sizes: {size} is not a multiple of one layer ({LAYER_BYTES} bytes)")
-    results = []
-    for size in sizes:
-        results.append(run_sglang(size // LAYER_BYTES, args.pages, args.reps))
-        print(f"  measured {size} B pages (local)", file=sys.stderr)
-    print(sglang_table(results))
-    remote = []
-    if not args.local_only:
-        for size in sizes:
-            remote.append(run_sglang_remote(size // LAYER_BYTES, args.pages, args.reps))
-            print(f"  measured {size} B pages (hinted remote)", file=sys.stderr)
+    steps = len(_sizes(args.page_sizes)) * (1 if args.local_only else 2)
+    local, remote = _measure_sglang(args, _Progress(steps))
+    print(sglang_table(local))
+    if remote:
         print()
         print(sglang_remote_table(remote))
-    _write_json(args.json, {"local": [as_dict(r) for r in results], "remote": [as_dict(r) for r in remote]})
+    data = {"local": [as_dict(r) for r in local], "remote": [as_dict(r) for r in remote]}
+    _write(args, data, lambda png: plot_sglang(local, remote, png))
     return 0
 
 
 def _bench_remote(args: argparse.Namespace) -> int:
-    from kvcr.bench.remote import as_dict, remote_table, run_remote
+    from kvcr.bench.plot import plot_remote
+    from kvcr.bench.remote import as_dict, remote_table
 
-    batches = [int(b) for b in args.batches.split(",") if b]
-    results = []
-    for i, size in enumerate(_sizes(args.page_sizes)):
-        results.extend(run_remote(size, batches, args.reps, port=args.port + 10 * i if args.port else None))
-        print(f"  measured {size} B pages", file=sys.stderr)
+    results = _measure_remote(args, _Progress(len(_sizes(args.page_sizes))))
     print(remote_table(results))
-    _write_json(args.json, [as_dict(r) for r in results])
+    _write(args, [as_dict(r) for r in results], lambda png: plot_remote(results, png))
     return 0
 
 
-def _write_json(path_text: str | None, data: object) -> None:
-    if path_text:
-        path = Path(path_text)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2))
+def _bench_all(args: argparse.Namespace) -> int:
+    from kvcr.bench.local import as_dict as local_dict
+    from kvcr.bench.plot import plot_local, plot_remote, plot_sglang
+    from kvcr.bench.remote import as_dict as remote_dict
+    from kvcr.bench.report import BenchSet, write_report
+    from kvcr.bench.sglang import as_dict as sglang_dict
+
+    out = Path(args.out_dir)
+    defaults = build_parser().parse_args(["bench", "local"]), build_parser().parse_args(["bench", "sglang"])
+    local_args, sglang_args = defaults
+    remote_args = build_parser().parse_args(["bench", "remote"])
+    for one in (local_args, sglang_args, remote_args):
+        one.reps = max(1, round(one.reps * args.reps_scale))
+    progress = _Progress(
+        len(_sizes(local_args.page_sizes))
+        + 2 * len(_sizes(sglang_args.page_sizes))
+        + len(_sizes(remote_args.page_sizes))
+    )
+    results = BenchSet()
+    results.local = _measure_local(local_args, progress)
+    results.sglang_local, results.sglang_remote = _measure_sglang(sglang_args, progress)
+    results.remote = _measure_remote(remote_args, progress)
+    _save_json(out / "local.json", [local_dict(r) for r in results.local])
+    _save_json(
+        out / "sglang.json",
+        {
+            "local": [sglang_dict(r) for r in results.sglang_local],
+            "remote": [sglang_dict(r) for r in results.sglang_remote],
+        },
+    )
+    _save_json(out / "remote.json", [remote_dict(r) for r in results.remote])
+    written = [out / "local.json", out / "sglang.json", out / "remote.json"]
+    written.append(plot_local(results.local, out / "local.png"))
+    written.append(plot_sglang(results.sglang_local, results.sglang_remote, out / "sglang.png"))
+    written.append(plot_remote(results.remote, out / "remote.png"))
+    written += write_report(results, out, Path(args.figure), Path(args.readme) if args.update_readme else None)
+    print("\n".join(f"wrote {path}" for path in written))
+    return 0
+
+
+def _bench_report(args: argparse.Namespace) -> int:
+    from kvcr.bench.report import load, write_report
+
+    results = load(Path(args.from_dir))
+    if not results.local:
+        raise KvcrError(f"--from {args.from_dir}: no local.json there; run `kvcr bench all` first")
+    readme = Path(args.readme) if args.update_readme else None
+    for path in write_report(results, Path(args.from_dir), Path(args.figure), readme):
+        print(f"wrote {path}")
+    return 0
+
+
+def _write(args: argparse.Namespace, data: object, plot: Callable[[Path], Path]) -> None:
+    if not args.json:
+        return
+    path = _save_json(Path(args.json), data)
+    if not args.no_plot:
+        print(f"wrote {path} and {plot(path.with_suffix('.png'))}", file=sys.stderr)
+    else:
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def _save_json(path: Path, data: object) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+    return path
+
+
+# ---------------------------------------------------------------------- doctor, demo
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from kvcr.doctor import CHECKS, DoctorOptions, exit_code, run_doctor, summary
+
+    skip = frozenset(s.strip() for s in (args.skip or "").split(",") if s.strip())
+    unknown = skip - set(CHECKS)
+    if unknown:
+        raise KvcrError(f"--skip: unknown check(s) {', '.join(sorted(unknown))}; known: {', '.join(CHECKS)}")
+    options = DoctorOptions(
+        sglang_config=args.sglang_config,
+        control_host=args.control_host,
+        control_port=args.control_port,
+        tp_size=args.tp_size,
+        metrics_port=args.metrics_port,
+        token_file=args.token_file,
+        read_bytes=parse_byte_size(args.read_bytes, name="--read-bytes"),
+        skip=skip,
+    )
+    findings = run_doctor(options, lambda finding: print(finding.line(), flush=True))
+    print(summary(findings))
+    return exit_code(findings)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -77,43 +296,106 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(verbose=not args.quiet, peer=not args.local_only)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcr", description="KV-cache reuse runner")
-    commands = parser.add_subparsers(dest="command", required=True)
+# ---------------------------------------------------------------------- parser
 
-    demo = commands.add_parser("demo", help="back up, query and restore pages through a real runner")
-    demo.add_argument("--quiet", action="store_true")
+
+def _json_option(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--json", default=default, help="where to write the results; a PNG is written beside it")
+    parser.add_argument("--no-plot", action="store_true", help="write the JSON only, no PNG")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvcr", description="KV-cache reuse runner", formatter_class=_Help)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(group: Any, name: str, text: str) -> argparse.ArgumentParser:
+        made: argparse.ArgumentParser = group.add_parser(name, help=text, description=text, formatter_class=_Help)
+        return made
+
+    demo = command(commands, "demo", "back up, query and restore pages through a real runner")
+    demo.add_argument("--quiet", action="store_true", help="print only failures")
     demo.add_argument("--local-only", action="store_true", help="skip the two-replica NIXL part")
     demo.set_defaults(func=_demo)
 
-    bench = commands.add_parser("bench", help="benchmarks (ratios against a baseline in the same run)")
-    which = bench.add_subparsers(dest="bench", required=True)
-    local = which.add_parser("local", help="local backup/restore vs memcpy of the same bytes")
-    local.add_argument("--page-sizes", default="64KiB,2MiB,8MiB")
-    local.add_argument("--pages", type=int, default=128)
-    local.add_argument("--reps", type=int, default=15)
-    local.add_argument("--json", default="bench-results/local.json")
+    bench = command(commands, "bench", "benchmarks (ratios against a baseline measured in the same run)")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    local = command(which, "local", "local backup/restore vs memcpy of the same bytes")
+    local.add_argument("--page-sizes", default="64KiB,2MiB,8MiB", help="page sizes to measure, comma-separated")
+    local.add_argument("--pages", type=_positive("--pages"), default=128, help="pages per batch")
+    local.add_argument("--reps", type=_positive("--reps"), default=15, help="timed repetitions per page size")
+    _json_option(local, "bench-results/local.json")
     local.set_defaults(func=_bench_local)
-    sglang = which.add_parser("sglang", help="batch_set_v1/batch_get_v1 on SGLang's real host pool vs memcpy")
-    sglang.add_argument("--page-sizes", default="1MiB,2MiB,8MiB")
-    sglang.add_argument("--pages", type=int, default=128)
-    sglang.add_argument("--reps", type=int, default=10)
-    sglang.add_argument("--json", default="bench-results/sglang.json")
+
+    sglang = command(which, "sglang", "batch_set_v1/batch_get_v1 on SGLang's real host pool vs memcpy")
+    sglang.add_argument("--page-sizes", default="1MiB,2MiB,8MiB", help="page sizes (multiples of 256KiB, one layer)")
+    sglang.add_argument("--pages", type=_positive("--pages"), default=128, help="pages per batch")
+    sglang.add_argument("--reps", type=_positive("--reps"), default=10, help="timed repetitions per page size")
     sglang.add_argument("--local-only", action="store_true", help="skip the hinted remote part (two processes)")
+    _json_option(sglang, "bench-results/sglang.json")
     sglang.set_defaults(func=_bench_sglang)
-    remote = which.add_parser("remote", help="peer restore over NIXL vs raw NIXL READ vs memcpy (2 processes)")
-    remote.add_argument("--page-sizes", default="64KiB,2MiB,8MiB")
-    remote.add_argument("--batches", default="32,128")
-    remote.add_argument("--reps", type=int, default=20)
-    remote.add_argument("--port", type=int, default=0, help="first of the loopback ports to use (default: free ones)")
-    remote.add_argument("--json", default="bench-results/remote.json")
+
+    remote = command(which, "remote", "peer restore over NIXL vs raw NIXL READ vs memcpy (2 processes)")
+    remote.add_argument("--page-sizes", default="64KiB,2MiB,8MiB", help="page sizes to measure, comma-separated")
+    remote.add_argument("--batches", default="32,128", help="pages per restore, comma-separated")
+    remote.add_argument("--reps", type=_positive("--reps"), default=20, help="timed repetitions per configuration")
+    remote.add_argument("--port", type=_port, default=0, help="first of the loopback ports to use (0: free ones)")
+    _json_option(remote, "bench-results/remote.json")
     remote.set_defaults(func=_bench_remote)
+
+    every = command(which, "all", "run local, sglang and remote with their defaults; regenerate the README's part")
+    every.add_argument("--out-dir", default="bench-results", help="where the JSON, PNGs and README-tables.md go")
+    every.add_argument("--figure", default="docs/bench.png", help="the overview figure the README shows")
+    every.add_argument("--readme", default="README.md", help="the README whose marked block --update-readme rewrites")
+    every.add_argument("--update-readme", action="store_true", help="rewrite the README's generated benchmark block")
+    every.add_argument("--reps-scale", type=float, default=1.0, help="multiply every benchmark's repetitions")
+    every.set_defaults(func=_bench_all)
+
+    report = command(which, "report", "rebuild the README's tables and figure from existing JSON (no measuring)")
+    report.add_argument("--from", dest="from_dir", default="bench-results", help="where the JSON files are")
+    report.add_argument("--figure", default="docs/bench.png", help="the overview figure the README shows")
+    report.add_argument("--readme", default="README.md", help="the README whose marked block --update-readme rewrites")
+    report.add_argument("--update-readme", action="store_true", help="rewrite the README's generated benchmark block")
+    report.set_defaults(func=_bench_report)
+
+    doctor = command(commands, "doctor", "check this host before enabling kvcr; one line per check")
+    doctor.add_argument(
+        "--sglang-config",
+        help="the JSON given to SGLang's --hicache-storage-backend-extra-config (or @file): checked, and "
+        "its control_host, control_port and auth_token_file used below",
+    )
+    doctor.add_argument("--control-host", help="address the peer control server binds (default: config, 127.0.0.1)")
+    doctor.add_argument(
+        "--control-port", type=_port, help="rank 0's control port; rank r uses it + r (default: config)"
+    )
+    doctor.add_argument("--tp-size", type=_positive("--tp-size"), default=1, help="TP ranks, one control port each")
+    doctor.add_argument("--metrics-port", type=_port, help="also check that this --metrics-port is free")
+    doctor.add_argument("--token-file", help="the cluster token file (default: the config's auth_token_file)")
+    doctor.add_argument("--read-bytes", default="64MiB", help="size of the loopback READ that measures the transport")
+    doctor.add_argument("--skip", help="checks to skip, comma-separated: " + ", ".join(_doctor_checks()))
+    doctor.set_defaults(func=_doctor)
     return parser
+
+
+def _doctor_checks() -> tuple[str, ...]:
+    from kvcr.doctor import CHECKS
+
+    return CHECKS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    name = " ".join(part for part in ("kvcr", args.command, getattr(args, "bench", None)) if part)
+    try:
+        return int(args.func(args))
+    except KvcrError as exc:  # bad input or a refused setting: one line naming it
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as exc:  # the run itself failed (a peer process, a verification)
+        print(f"{name} failed: {' '.join(str(exc).split()) or type(exc).__name__}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 #   * NIXL 1.5.1 (nixl meta + nixl-cu13, --no-deps: their torch dep would pull CUDA),
 #   * SGLang 0.5.23 (--no-deps) + triton (--no-deps) + the deps its HiCache modules import,
 #   * ai-dynamo-runtime 1.6.1 (SelectionService / RadixTree / block hashing),
+#   * prometheus-client (kvcr's metrics) and matplotlib (benchmark figures),
 #   * test / lint tools,
 #   * the kvcr package itself (editable, --no-deps) once <repo>/pyproject.toml exists.
 #
@@ -127,6 +128,7 @@ log "resolved packages"
     setproctitle openai partial-json-parser einops uvicorn fastapi \
     ai-dynamo-runtime setuptools \
     msgpack dependency-injector xxhash \
+    prometheus-client matplotlib \
     pytest pytest-mock pytest-timeout hypothesis ruff mypy import-linter
 
 # 4. the project itself, editable, deps already provided above.

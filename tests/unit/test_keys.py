@@ -80,7 +80,10 @@ def _spec(**changes):
     return NamespaceSpec(**base)
 
 
-def _digest(spec=None, pool="kv", pieces=(1024, 1024), shard=ShardIdentity(0, 2)):
+RANK0_OF_2 = ShardIdentity(0, 2)
+
+
+def _digest(spec=None, pool="kv", pieces=(1024, 1024), shard=RANK0_OF_2):
     return (spec or _spec()).pool_digest(pool, pieces, shard)
 
 

@@ -1,4 +1,9 @@
-"""Thread-safe in-memory metrics; ``snapshot`` feeds stats pages and SGLang's StorageMetrics."""
+"""Thread-safe in-memory metrics checked against the catalogue; ``snapshot`` feeds stats pages and tests.
+
+Strict by default: an emission the catalogue does not allow raises, so a test that exercises a
+call site catches a misspelt name or an open-ended label value. Pre-catalogue counter names
+(``kvcr.ports.metric_legacy``) are recorded as given while the runner still emits them.
+"""
 
 from __future__ import annotations
 
@@ -6,32 +11,44 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-
-def _series(name: str, labels: Mapping[str, str] | None) -> str:
-    if not labels:
-        return name
-    inner = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-    return f"{name}{{{inner}}}"
+from kvcr.ports.metric_catalogue import Kind, MetricError, MetricName, check, series
+from kvcr.ports.metric_legacy import LEGACY
 
 
 class InMemoryMetrics:
-    """Counters and gauges as floats; histograms keep count and sum."""
+    """Counters and gauges as floats; histograms keep count and sum.
 
-    def __init__(self) -> None:
+    Args:
+        strict: raise MetricError on an emission the catalogue refuses; when False, drop it and
+            count it in ``kvcr_metrics_dropped_total{reason}``.
+    """
+
+    def __init__(self, *, strict: bool = True) -> None:
         self._values: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._strict = strict
 
     def increment(self, name: str, value: float = 1.0, labels: Mapping[str, str] | None = None) -> None:
-        key = _series(name, labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + value
+        if name in LEGACY and not isinstance(name, MetricName):
+            self._add(series(name, labels), value)
+            return
+        key = self._key(name, Kind.COUNTER, labels)
+        if key is not None:
+            self._add(key, value)
 
     def set_gauge(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> None:
-        with self._lock:
-            self._values[_series(name, labels)] = value
+        key = self._key(name, Kind.GAUGE, labels)
+        if key is not None:
+            with self._lock:
+                self._values[key] = value
 
     def observe(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> None:
-        count, total = _series(f"{name}_count", labels), _series(f"{name}_sum", labels)
+        try:
+            spec, given = check(name, Kind.HISTOGRAM, labels)
+        except MetricError as exc:
+            self._refuse(exc)
+            return
+        count, total = series(f"{spec.name.value}_count", given), series(f"{spec.name.value}_sum", given)
         with self._lock:
             self._values[count] = self._values.get(count, 0.0) + 1
             self._values[total] = self._values.get(total, 0.0) + value
@@ -39,6 +56,23 @@ class InMemoryMetrics:
     def snapshot(self) -> Mapping[str, float]:
         with self._lock:
             return dict(self._values)
+
+    def _key(self, name: str, kind: Kind, labels: Mapping[str, str] | None) -> str | None:
+        try:
+            spec, given = check(name, kind, labels)
+        except MetricError as exc:
+            self._refuse(exc)
+            return None
+        return series(spec.name.value, given)
+
+    def _refuse(self, exc: MetricError) -> None:
+        if self._strict:
+            raise exc
+        self._add(series(MetricName.METRICS_DROPPED.value, {"reason": exc.reason.value}), 1.0)
+
+    def _add(self, key: str, value: float) -> None:
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + value
 
 
 if TYPE_CHECKING:

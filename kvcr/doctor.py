@@ -1,0 +1,293 @@
+"""``kvcr doctor``: check a host before kvcr is enabled on it, one line per check, and an exit code.
+
+Checks, in order (each can be skipped with ``--skip``):
+
+* ``nixl``       NIXL imports; its version and the build it loaded.
+* ``transport``  a READ from this process into a child process over NIXL: the transport UCX chose
+                 (from UCX's own protocol report), its rate against memmove, and whether it needs
+                 the source to progress. Quiet on a zero-copy path (CMA, RDMA); a warning naming
+                 the cause on software emulation (``UCX_TLS=tcp``, CMA blocked).
+* ``config``     the SGLang extra-config (``--sglang-config``), parsed as the backend would.
+* ``sglang``     SGLang's version (kvcr is built against 0.5.23).
+* ``page-keys``  kvcr's page keys equal SGLang's own page hashes (chained, 64-bit token ids).
+* ``ports``      the control ports of every TP rank (base + rank) and the metrics port are free.
+* ``token``      the cluster token file: a regular file, at least 16 bytes, not readable or
+                 writable by other users.
+
+Exit code: 0 when every check passed, 2 when some only warned (kvcr works, degraded), 1 when one
+failed (kvcr would not work, or not safely). Nothing here raises: a check that breaks reports
+FAIL with one line.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.metadata
+import json
+import os
+import socket
+import stat
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcr.domain.errors import KvcrError
+
+SGLANG_VERSION = "0.5.23"
+NIXL_VERSION = "1.5.1"
+TOKEN_MIN_BYTES = 16
+CHECKS = ("nixl", "transport", "config", "sglang", "page-keys", "ports", "token")
+
+
+class Status(str, enum.Enum):
+    OK = "ok"
+    WARN = "WARN"
+    FAIL = "FAIL"
+    SKIP = "skip"
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    check: str
+    status: Status
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.status.value:<4}  {self.check:<9}  {self.detail}"
+
+
+@dataclass(frozen=True, slots=True)
+class DoctorOptions:
+    """What to check; ``None`` fields fall back to the SGLang config, then to kvcr's defaults."""
+
+    sglang_config: str | None = None  # the JSON of --hicache-storage-backend-extra-config, or @file
+    control_host: str | None = None
+    control_port: int | None = None
+    tp_size: int = 1
+    metrics_port: int | None = None
+    token_file: str | None = None
+    read_bytes: int = 64 << 20
+    skip: frozenset[str] = field(default_factory=frozenset)
+
+
+def exit_code(findings: Sequence[Finding]) -> int:
+    statuses = {f.status for f in findings}
+    if Status.FAIL in statuses:
+        return 1
+    return 2 if Status.WARN in statuses else 0
+
+
+def run_doctor(options: DoctorOptions, report: Callable[[Finding], None] = lambda _f: None) -> list[Finding]:
+    """Run every check not skipped, calling ``report`` as each one ends (long checks show progress)."""
+    findings: list[Finding] = []
+    settings, config_finding = _settings(options)
+    steps: list[tuple[str, Callable[[], Finding]]] = [
+        ("nixl", check_nixl),
+        ("transport", lambda: check_transport(options.read_bytes)),
+        ("config", lambda: config_finding),
+        ("sglang", check_sglang_version),
+        ("page-keys", check_page_keys),
+        ("ports", lambda: check_ports(*_ports(options, settings))),
+        ("token", lambda: check_token(options.token_file or _get(settings, "auth_token_file"))),
+    ]
+    for name, step in steps:
+        if name in options.skip:
+            finding = Finding(name, Status.SKIP, "skipped (--skip)")
+        else:
+            try:
+                finding = step()
+            except Exception as exc:  # one line per check, never a traceback
+                finding = Finding(name, Status.FAIL, f"the check itself failed: {_one_line(exc)}")
+        findings.append(finding)
+        report(finding)
+    return findings
+
+
+def summary(findings: Sequence[Finding]) -> str:
+    counts = {s: sum(1 for f in findings if f.status is s) for s in Status}
+    verdict = {0: "ready for kvcr", 1: "not ready for kvcr", 2: "kvcr will work, degraded"}[exit_code(findings)]
+    return (
+        f"doctor: {counts[Status.OK]} ok, {counts[Status.WARN]} warning(s), {counts[Status.FAIL]} failure(s), "
+        f"{counts[Status.SKIP]} skipped: {verdict}"
+    )
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def check_nixl() -> Finding:
+    try:
+        from nixl import _api
+    except Exception as exc:
+        return Finding("nixl", Status.FAIL, f"NIXL does not import: {_one_line(exc)}; install nixl=={NIXL_VERSION}")
+    version = _version("nixl")
+    build = _api.__name__.split(".")[0]
+    text = f"nixl {version} ({build})"
+    if version != NIXL_VERSION:
+        return Finding("nixl", Status.WARN, f"{text}; kvcr is tested with nixl {NIXL_VERSION}")
+    return Finding("nixl", Status.OK, text)
+
+
+def check_transport(read_bytes: int) -> Finding:
+    from kvcr.adapters.nixl.probe import probe_transport
+
+    report = probe_transport(nbytes=read_bytes)
+    if report.zero_copy:
+        return Finding("transport", Status.OK, report.summary())
+    if report.read_gbps <= 0:
+        return Finding("transport", Status.FAIL, report.summary())
+    return Finding("transport", Status.WARN, f"no zero-copy path, peer reads will be slow: {report.summary()}")
+
+
+def check_sglang_version() -> Finding:
+    version = _version("sglang")
+    if version is None:
+        return Finding("sglang", Status.FAIL, f"sglang is not installed; kvcr's backend needs sglang=={SGLANG_VERSION}")
+    if version != SGLANG_VERSION:
+        return Finding(
+            "sglang", Status.WARN, f"sglang {version}; kvcr is built against sglang {SGLANG_VERSION}'s storage API"
+        )
+    return Finding("sglang", Status.OK, f"sglang {version}")
+
+
+def check_page_keys() -> Finding:
+    from kvcr.testing.sglang import prepare_environment
+
+    prepare_environment()
+    try:
+        from sglang.srt.mem_cache.utils import get_hash_str
+    except Exception as exc:
+        return Finding("page-keys", Status.FAIL, f"SGLang's page hash does not import: {_one_line(exc)}")
+    from kvcr.domain.keys import page_hashes
+
+    started = time.perf_counter()
+    cases = [(list(range(1000, 1000 + 16 * 4)), 16), ([7, 8, (1 << 40) + 3, 9], 2), (list(range(64 * 3)), 64)]
+    for tokens, page_size in cases:
+        theirs = list(get_hash_str(tokens, None, page_size=page_size))
+        ours = page_hashes(tokens, page_size)
+        if ours != theirs:
+            return Finding(
+                "page-keys",
+                Status.FAIL,
+                f"kvcr's page keys differ from SGLang's get_hash_str (page size {page_size}): "
+                "backups would never be found; this kvcr does not match this SGLang",
+            )
+    took = time.perf_counter() - started
+    return Finding(
+        "page-keys",
+        Status.OK,
+        f"kvcr's page keys equal SGLang's get_hash_str (page sizes 2, 16, 64; 64-bit token ids) [{took:.1f}s]",
+    )
+
+
+def check_ports(host: str, ports: Sequence[tuple[str, int]]) -> Finding:
+    if not ports:
+        return Finding("ports", Status.SKIP, "no ports to check (control_port 0: the peer service is off)")
+    taken = []
+    for what, port in ports:
+        if not 0 < port < 65536:
+            return Finding("ports", Status.FAIL, f"{what} {port} is out of range 1..65535")
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                if exc.errno in (99, -2, -3, -5):  # EADDRNOTAVAIL or a name that does not resolve
+                    return Finding("ports", Status.FAIL, f"{host} is not an address of this host: set control_host")
+                taken.append(f"{what} {host}:{port}")
+    if taken:
+        return Finding(
+            "ports", Status.FAIL, f"in use: {', '.join(taken)}; pick free ones (control_port, --metrics-port)"
+        )
+    listed = ", ".join(f"{what} {port}" for what, port in ports)
+    return Finding("ports", Status.OK, f"free on {host}: {listed}")
+
+
+def check_token(path_text: str | None) -> Finding:
+    if not path_text:
+        return Finding("token", Status.SKIP, "no auth_token_file: peers are not authenticated (loopback-only setups)")
+    path = Path(path_text)
+    try:
+        info = path.stat()
+    except OSError as exc:
+        return Finding("token", Status.FAIL, f"auth_token_file {path}: {exc.strerror or exc}")
+    if not stat.S_ISREG(info.st_mode):
+        return Finding("token", Status.FAIL, f"auth_token_file {path} is not a regular file")
+    mode = stat.S_IMODE(info.st_mode)
+    fix = f"chmod 600 {path}"
+    if mode & (stat.S_IROTH | stat.S_IWOTH):
+        return Finding("token", Status.FAIL, f"{path} is readable or writable by every user (mode {mode:04o}): {fix}")
+    if mode & stat.S_IWGRP:
+        return Finding("token", Status.FAIL, f"{path} is writable by its group (mode {mode:04o}): {fix}")
+    try:
+        size = len(path.read_bytes().strip())
+    except OSError as exc:
+        return Finding("token", Status.FAIL, f"auth_token_file {path}: {exc.strerror or exc}")
+    if size < TOKEN_MIN_BYTES:
+        return Finding(
+            "token", Status.FAIL, f"{path} holds {size} bytes; a cluster token needs at least {TOKEN_MIN_BYTES}"
+        )
+    if mode & stat.S_IRGRP:
+        return Finding("token", Status.WARN, f"{path} is readable by its group (mode {mode:04o}): {fix} unless meant")
+    if info.st_uid != os.geteuid():
+        return Finding("token", Status.WARN, f"{path} belongs to uid {info.st_uid}, not to this user")
+    return Finding("token", Status.OK, f"{path}: {size} bytes, mode {mode:04o}")
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _settings(options: DoctorOptions) -> tuple[Any, Finding]:
+    if options.sglang_config is None:
+        return None, Finding("config", Status.SKIP, "no --sglang-config given")
+    text = options.sglang_config
+    try:
+        if text.startswith("@"):
+            text = Path(text[1:]).read_text()
+        data = json.loads(text)
+    except OSError as exc:
+        return None, Finding("config", Status.FAIL, f"--sglang-config {text[1:]}: {exc.strerror or exc}")
+    except ValueError as exc:
+        return None, Finding("config", Status.FAIL, f"--sglang-config is not JSON: {exc}")
+    if not isinstance(data, dict):
+        return None, Finding("config", Status.FAIL, "--sglang-config must be a JSON object")
+    try:
+        from kvcr.integrations.shared.settings import parse_settings
+
+        settings = parse_settings(data)
+    except ImportError as exc:
+        return None, Finding("config", Status.FAIL, f"cannot check --sglang-config: SGLang does not import ({exc})")
+    except KvcrError as exc:
+        return None, Finding("config", Status.FAIL, f"--sglang-config: {exc}")
+    return settings, Finding("config", Status.OK, f"extra-config parses (transport {settings.transport})")
+
+
+def _get(settings: Any, name: str) -> Any:
+    if settings is not None:
+        return getattr(settings, name)
+    from kvcr.integrations.shared.settings import KvcrSettings
+
+    return getattr(KvcrSettings(), name)
+
+
+def _ports(options: DoctorOptions, settings: Any) -> tuple[str, list[tuple[str, int]]]:
+    host = options.control_host or _get(settings, "control_host")
+    base = options.control_port if options.control_port is not None else _get(settings, "control_port")
+    ports = [(f"rank {rank} control", base + rank) for rank in range(options.tp_size)] if base else []
+    if options.metrics_port:
+        ports.append(("metrics", options.metrics_port))
+    return host, ports
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__

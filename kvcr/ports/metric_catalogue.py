@@ -1,0 +1,316 @@
+"""Every metric kvcr emits: name, kind, help, label names and the closed set of values of each label.
+
+This module is the single source. Adapters build their series from it and refuse anything it
+does not list; code that emits names its metric with :class:`MetricName` and its label values
+with the enums below (they are ``str`` enums, so they pass where the ``Metrics`` port wants
+strings). Conventions are Prometheus's: base units (seconds, bytes), ``_total`` on counters,
+``_seconds`` / ``_bytes`` suffixes, and labels whose values come from closed sets, never from a
+key, an endpoint or any other text a peer or a request controls.
+
+What a call looks like (``metrics`` is the ``Metrics`` port)::
+
+    metrics.increment(MetricName.PAGES, n, {"path": Path.REMOTE_RESTORE, "outcome": Result.OK})
+    metrics.increment(MetricName.BYTES, n * page_bytes, {"path": Path.REMOTE_RESTORE, "outcome": Result.OK})
+    metrics.increment(MetricName.FAILURES, 1, {"path": Path.REMOTE_RESTORE, "reason": FailureReason.TIMEOUT})
+    metrics.observe(MetricName.RESTORE_SECONDS, elapsed_s, {"path": Path.LOCAL_RESTORE})
+    metrics.set_gauge(MetricName.DRAM_USED_BYTES, used, {"pool": "kv"})
+
+``docs/observability.md`` lists the catalogue for operators and says which call site emits what.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvcr.domain.errors import KvcrError
+
+
+class Kind(str, enum.Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+
+
+class MetricName(str, enum.Enum):
+    """The name of every kvcr metric, as Prometheus shows it."""
+
+    PAGES = "kvcr_pages_total"
+    BYTES = "kvcr_bytes_total"
+    FAILURES = "kvcr_failures_total"
+    VERIFICATION_FAILURES = "kvcr_verification_failures_total"
+    HINTS_REJECTED = "kvcr_hints_rejected_total"
+    PEER_REQUESTS_REFUSED = "kvcr_peer_requests_refused_total"
+    EVICTED_PAGES = "kvcr_evicted_pages_total"
+    LEASES_EXPIRED = "kvcr_leases_expired_total"
+    PEER_RESTARTS = "kvcr_peer_restarts_total"
+    METRICS_DROPPED = "kvcr_metrics_dropped_total"
+    DRAM_USED_BYTES = "kvcr_dram_used_bytes"
+    DRAM_FREE_BYTES = "kvcr_dram_free_bytes"
+    LEASES_HELD = "kvcr_leases_held"
+    PEERS_QUARANTINED = "kvcr_peers_quarantined"
+    LEASE_SECONDS = "kvcr_lease_seconds"
+    RESTORE_SECONDS = "kvcr_restore_seconds"
+
+
+class Path(str, enum.Enum):
+    """Which way pages moved."""
+
+    BACKUP = "backup"  # engine host pages -> kvcr DRAM
+    LOCAL_RESTORE = "local_restore"  # kvcr DRAM -> engine host pages
+    REMOTE_RESTORE = "remote_restore"  # a peer's kvcr DRAM -> engine host pages (data-plane READ)
+    SERVED = "served"  # this replica's kvcr DRAM, leased to a peer for its READ
+
+
+class Result(str, enum.Enum):
+    """How a page ended on its path (``miss``: not there; nothing moved)."""
+
+    OK = "ok"
+    MISS = "miss"
+    FAILED = "failed"
+    UNCERTAIN = "uncertain"  # a transfer that could not be confirmed stopped
+
+
+class FailureReason(str, enum.Enum):
+    """Why an operation failed (one count per failed batch or peer call, not per page)."""
+
+    PEER_UNAVAILABLE = "peer_unavailable"  # not reachable, or skipped during its retry window
+    PEER_REFUSED = "peer_refused"  # HELLO or LEASE refused: credentials, version, namespace
+    INCOMPATIBLE = "incompatible"  # the source's pool or geometry differs from ours
+    LEASE_EXPIRED = "lease_expired"  # the lease ran out (or was released) before the read ended
+    TIMEOUT = "timeout"  # the operation deadline passed
+    TRANSFER_ERROR = "transfer_error"  # the data plane reported an error
+    UNCERTAIN = "uncertain"  # a transfer could not be confirmed stopped
+    VERIFICATION = "verification"  # bytes differ from the digest taken at backup
+    COPY_ERROR = "copy_error"  # a local copy failed
+    NO_SPACE = "no_space"  # no DRAM slot could be freed for a backup
+    INTERNAL = "internal"  # a bug in kvcr, caught at a boundary
+
+
+class HintRejection(str, enum.Enum):
+    """Why a request's hint was not used (the request is then served from local DRAM only)."""
+
+    MALFORMED = "malformed"  # not JSON, not an object, a field of the wrong type
+    UNSUPPORTED = "unsupported"  # protocol or action version, or mode, kvcr does not speak
+    NO_FETCH_ACTION = "no_fetch_action"  # an envelope without a kv.fetch action
+    BAD_ENDPOINT = "bad_endpoint"  # source_control_endpoint missing or unparsable
+    BAD_HASHES = "bad_hashes"  # block_hashes missing, not u64s, or too many
+    UNTRUSTED_SOURCE = "untrusted_source"  # the source is not one the cluster vouches for
+    REMOTE_DISABLED = "remote_disabled"  # a hint arrived but remote restore is off here
+
+
+class RefusalReason(str, enum.Enum):
+    """Why this replica's peer server refused a request."""
+
+    AUTH = "auth"
+    VERSION = "version"
+    NAMESPACE = "namespace"
+    MALFORMED = "malformed"
+    REPLAY = "replay"
+    TOO_MANY_KEYS = "too_many_keys"
+    INTERNAL = "internal"
+
+
+class LeaseRole(str, enum.Enum):
+    SOURCE = "source"  # leases this replica granted and still honours
+    TARGET = "target"  # leases this replica took on peers and has not read or released yet
+
+
+class DropReason(str, enum.Enum):
+    """Why an adapter refused an emission (counted, never raised, in production)."""
+
+    UNKNOWN_METRIC = "unknown_metric"
+    WRONG_KIND = "wrong_kind"
+    UNKNOWN_LABEL = "unknown_label"
+    BAD_VALUE = "bad_value"
+
+
+# SGLang 0.5.23's well-known host pool names (``PoolName``), the only pools kvcr registers.
+POOLS = frozenset(
+    {
+        "kv",
+        "mamba",
+        "swa",
+        "auxiliary_swa",
+        "indexer",
+        "draft",
+        "draft_indexer",
+        "draft_swa",
+        *(
+            f"deepseek_v4_{name}"
+            for name in (
+                "c1",
+                "c1_indexer",
+                "c1_indexer_scale",
+                "c2",
+                "c2_indexer",
+                "c2_indexer_scale",
+                "c4",
+                "c4_indexer",
+                "c4_indexer_scale",
+                "c128",
+                "c4_rope",
+                "c128_rope",
+                "c4_state",
+                "c4_indexer_state",
+                "c128_state",
+            )
+        ),
+    }
+)
+
+# Restores on this box take 50 µs (a cached 64 KiB page) to seconds (a stalled peer, a deadline).
+LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
+def _values(kind: type[enum.Enum], *only: enum.Enum) -> frozenset[str]:
+    return frozenset(str(m.value) for m in (only or tuple(kind)))
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One metric: what Prometheus shows (name, kind, help) and the labels it may carry."""
+
+    name: MetricName
+    kind: Kind
+    help: str
+    labels: tuple[tuple[str, frozenset[str]], ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.labels)
+
+    def allowed(self, label: str) -> frozenset[str]:
+        return dict(self.labels)[label]
+
+
+_PATHS = ("path", _values(Path))
+_POOL = ("pool", POOLS)
+
+SPECS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        MetricName.PAGES,
+        Kind.COUNTER,
+        "KV pages by data path and how they ended (a page of several pools counts once per pool).",
+        (_PATHS, ("outcome", _values(Result))),
+    ),
+    MetricSpec(
+        MetricName.BYTES,
+        Kind.COUNTER,
+        "Bytes of the pages counted in kvcr_pages_total (a miss moves nothing).",
+        (_PATHS, ("outcome", _values(Result, Result.OK, Result.FAILED, Result.UNCERTAIN))),
+    ),
+    MetricSpec(
+        MetricName.FAILURES,
+        Kind.COUNTER,
+        "Failed operations by data path and reason; one per failed batch or peer call.",
+        (_PATHS, ("reason", _values(FailureReason))),
+    ),
+    MetricSpec(
+        MetricName.VERIFICATION_FAILURES,
+        Kind.COUNTER,
+        "Pages whose bytes differed from the digest taken at backup; they were reported as misses.",
+        (("path", _values(Path, Path.LOCAL_RESTORE, Path.REMOTE_RESTORE)),),
+    ),
+    MetricSpec(
+        MetricName.HINTS_REJECTED,
+        Kind.COUNTER,
+        "Request hints not used, by reason; the request was served from local DRAM only.",
+        (("reason", _values(HintRejection)),),
+    ),
+    MetricSpec(
+        MetricName.PEER_REQUESTS_REFUSED,
+        Kind.COUNTER,
+        "Peer requests this replica's peer server refused, by reason.",
+        (("reason", _values(RefusalReason)),),
+    ),
+    MetricSpec(MetricName.EVICTED_PAGES, Kind.COUNTER, "Pages evicted from kvcr DRAM to make room.", (_POOL,)),
+    MetricSpec(MetricName.LEASES_EXPIRED, Kind.COUNTER, "Leases this replica granted that expired unreleased."),
+    MetricSpec(MetricName.PEER_RESTARTS, Kind.COUNTER, "Times a peer answered with a new incarnation (it restarted)."),
+    MetricSpec(
+        MetricName.METRICS_DROPPED,
+        Kind.COUNTER,
+        "Metric emissions kvcr dropped because the catalogue does not allow them (a kvcr bug).",
+        (("reason", _values(DropReason)),),
+    ),
+    MetricSpec(MetricName.DRAM_USED_BYTES, Kind.GAUGE, "kvcr DRAM holding pages (ready or filling).", (_POOL,)),
+    MetricSpec(MetricName.DRAM_FREE_BYTES, Kind.GAUGE, "kvcr DRAM free for new pages.", (_POOL,)),
+    MetricSpec(MetricName.LEASES_HELD, Kind.GAUGE, "Leases held now, by role.", (("role", _values(LeaseRole)),)),
+    MetricSpec(MetricName.PEERS_QUARANTINED, Kind.GAUGE, "Peers this replica will not read from right now."),
+    MetricSpec(
+        MetricName.LEASE_SECONDS,
+        Kind.HISTOGRAM,
+        "LEASE round trip as the target sees it, by outcome (ok: some pages leased; miss: none).",
+        (("outcome", _values(Result, Result.OK, Result.MISS, Result.FAILED)),),
+        LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        MetricName.RESTORE_SECONDS,
+        Kind.HISTOGRAM,
+        "One restore batch, from the call to its terminal state.",
+        (("path", _values(Path, Path.LOCAL_RESTORE, Path.REMOTE_RESTORE)),),
+        LATENCY_BUCKETS,
+    ),
+)
+
+CATALOGUE: Mapping[str, MetricSpec] = {str(spec.name.value): spec for spec in SPECS}
+
+
+class MetricError(KvcrError, ValueError):
+    """An emission the catalogue does not allow; raised only by adapters in strict (test) mode."""
+
+    def __init__(self, reason: DropReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def check(name: str, kind: Kind, labels: Mapping[str, str] | None) -> tuple[MetricSpec, dict[str, str]]:
+    """The spec of ``name`` and its labels as plain strings, or MetricError saying what is wrong.
+
+    Label values are never echoed in the message: they may be the very text that should not
+    have reached a label.
+    """
+    spec = CATALOGUE.get(str(name.value) if isinstance(name, MetricName) else str(name))
+    if spec is None:
+        raise MetricError(DropReason.UNKNOWN_METRIC, f"metric {name!s} is not in kvcr's catalogue")
+    if spec.kind is not kind:
+        raise MetricError(DropReason.WRONG_KIND, f"metric {spec.name.value} is a {spec.kind.value}, not a {kind.value}")
+    given = {str(k): (v.value if isinstance(v, enum.Enum) else v) for k, v in (labels or {}).items()}
+    if set(given) != set(spec.label_names):
+        raise MetricError(
+            DropReason.UNKNOWN_LABEL,
+            f"metric {spec.name.value} takes labels {sorted(spec.label_names)}, got {sorted(given)}",
+        )
+    for label, allowed in spec.labels:
+        if given[label] not in allowed:
+            raise MetricError(
+                DropReason.BAD_VALUE, f"metric {spec.name.value}: a value of label {label!r} is not in its closed set"
+            )
+    return spec, given
+
+
+def series(name: str, labels: Mapping[str, str] | None) -> str:
+    """``name{k=v,...}`` with labels sorted: the key of one series in a snapshot."""
+    if not labels:
+        return name
+    inner = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    return f"{name}{{{inner}}}"

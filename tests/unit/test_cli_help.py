@@ -1,0 +1,53 @@
+"""The CLI explains itself: every option has help with its default, mistakes are one line."""
+
+import argparse
+
+import pytest
+
+from kvcr.cli import _Help, build_parser, main
+
+
+def subparsers(parser, path=("kvcr",)):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name), sub
+                yield from subparsers(sub, (*path, name))
+
+
+def test_every_option_has_help_that_shows_its_default():
+    found = 0
+    for path, parser in subparsers(build_parser()):
+        formatter = _Help(prog=" ".join(path))
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            found += 1
+            assert action.help, f"{' '.join(path)} {action.option_strings} has no help"
+            text = formatter._get_help_string(action) % {"default": action.default}
+            if action.default not in (None, False):
+                assert f"(default: {action.default})" in text, (path, action.option_strings)
+    assert found > 25
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["bench", "local", "--pages", "0"], "argument --pages: must be positive, got 0"),
+        (["bench", "remote", "--port", "70000"], "argument --port: must be 0..65535, got 70000"),
+        (["bench", "locl"], "invalid choice: 'locl'"),
+    ],
+)
+def test_a_bad_option_is_one_line_naming_it(argv, says, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and says in err and err.count("\n") == 1 and "--help" in err
+
+
+def test_a_bad_value_found_while_running_is_one_line_without_a_traceback(capsys):
+    assert main(["bench", "local", "--page-sizes", "64KB?", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcr bench local: ") and "--page-sizes" in err and err.count("\n") == 1
+    assert main(["bench", "remote", "--batches", "8,x"]) == 2
+    assert "--batches" in capsys.readouterr().err
