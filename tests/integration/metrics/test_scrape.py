@@ -11,7 +11,6 @@ import urllib.request
 
 import pytest
 from dependency_injector import providers
-from kvcr.testing.replica import HostPool, bench_keys, bench_pool, page_pattern
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,6 +20,7 @@ from kvcr.domain.deadlines import DeadlineBudget
 from kvcr.runner.config import RunnerConfig, namespace_for
 from kvcr.runner.node import NodeSettings
 from kvcr.runner.peer_client import PeerSettings, PoolRead
+from kvcr.testing.replica import HostPool, bench_keys, bench_pool, page_pattern
 from tests.support import free_port
 
 pytestmark = [pytest.mark.nixl, pytest.mark.zmq]
