@@ -83,10 +83,26 @@ def _fake_clock() -> Clock:
     return FakeClock()
 
 
-def _metrics() -> Metrics:
+def _memory_metrics(strict: bool) -> Metrics:
     from kvcr.adapters.local import InMemoryMetrics
 
-    return InMemoryMetrics()
+    return InMemoryMetrics(strict=strict)
+
+
+def _prometheus_metrics() -> Metrics:
+    from prometheus_client import CollectorRegistry
+
+    from kvcr.adapters.prometheus import PrometheusMetrics
+
+    return PrometheusMetrics(CollectorRegistry())
+
+
+def _engine_metrics() -> Metrics:
+    from kvcr.adapters.prometheus import engine_metrics
+
+    metrics = engine_metrics(True)
+    assert metrics is not None  # enabled=True always gives this process's metrics
+    return metrics
 
 
 def _null_inventory() -> InventorySink:
@@ -143,8 +159,12 @@ def _mock_control(fabric: MockFabric, settings: NodeSettings, clock: Clock) -> C
     return MockControlChannel(fabric, settings.endpoint, clock)
 
 
-def _zmq_control(settings: NodeSettings) -> ControlChannel:
+def _zmq_control(settings: NodeSettings, metrics: Metrics) -> ControlChannel:
     from kvcr.adapters.zmq import ZmqControlChannel
+    from kvcr.ports.metric_catalogue import MetricName, RefusalReason
+
+    def refused(reason: str) -> None:
+        metrics.increment(MetricName.PEER_REQUESTS_REFUSED, 1, {"reason": RefusalReason(reason)})
 
     return ZmqControlChannel(
         settings.control_host,
@@ -153,6 +173,7 @@ def _zmq_control(settings: NodeSettings) -> ControlChannel:
         token=settings.token,
         rotation_tokens=settings.rotation_tokens,
         allow_unauthenticated=settings.allow_unauthenticated,
+        on_refusal=refused,
     )
 
 
@@ -175,7 +196,16 @@ class Container(containers.DeclarativeContainer):
         monotonic=providers.Singleton(_monotonic_clock),
         fake=providers.Singleton(_fake_clock),
     )
-    metrics = providers.Singleton(_metrics)
+    # memory: kept in-process (stats pages); strict: the same, raising on an emission the
+    # catalogue refuses (tests); prometheus: a registry a standalone process exports with
+    # --metrics-port; engine: the engine's own /metrics (SGLang's multiprocess collection).
+    metrics = providers.Selector(
+        config.metrics,
+        memory=providers.Singleton(_memory_metrics, False),
+        strict=providers.Singleton(_memory_metrics, True),
+        prometheus=providers.Singleton(_prometheus_metrics),
+        engine=providers.Singleton(_engine_metrics),
+    )
     kv_event_publisher = providers.Singleton(_zmq_event_publisher, kv_events)
     inventory = providers.Selector(
         config.inventory,
@@ -200,7 +230,7 @@ class Container(containers.DeclarativeContainer):
     control = providers.Selector(
         config.control,
         mock=providers.Singleton(_mock_control, fabric, node_settings, clock),
-        zmq=providers.Singleton(_zmq_control, node_settings),
+        zmq=providers.Singleton(_zmq_control, node_settings, metrics),
     )
     node = providers.Singleton(
         RunnerNode,
@@ -214,7 +244,14 @@ class Container(containers.DeclarativeContainer):
     )
 
 
-DEFAULTS = {"memory": "mmap", "clock": "monotonic", "inventory": "none", "transport": "nixl", "control": "zmq"}
+DEFAULTS = {
+    "memory": "mmap",
+    "clock": "monotonic",
+    "inventory": "none",
+    "transport": "nixl",
+    "control": "zmq",
+    "metrics": "memory",
+}
 
 
 def build_container(

@@ -131,7 +131,13 @@ class Cluster:
             "127.0.0.1", port or free_port(), token=token, peer=peer or PeerSettings(), close_lease_wait_s=0.2
         )
         container = build_container(
-            config, node=settings, transport="mock", control=self.control, memory="mock", inventory="recording"
+            config,
+            node=settings,
+            transport="mock",
+            control=self.control,
+            memory="mock",
+            inventory="recording",
+            metrics="strict",
         )
         container.fabric.override(self.fabric)
         container.clock.override(self.clock)

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvcr.domain.errors import KvcrError
+from kvcr.domain.hints import Rejection
 
 
 class Kind(str, enum.Enum):
@@ -85,31 +86,33 @@ class FailureReason(str, enum.Enum):
     VERIFICATION = "verification"  # bytes differ from the digest taken at backup
     COPY_ERROR = "copy_error"  # a local copy failed
     NO_SPACE = "no_space"  # no DRAM slot could be freed for a backup
+    UNBOUND_REPLY = "unbound_reply"  # a reply that does not answer our request (replayed, substituted)
+    MALFORMED_REPLY = "malformed_reply"  # a reply of the wrong shape
+    SLOWER_THAN_RECOMPUTE = "slower_than_recompute"  # the estimated transfer exceeds recomputing the prefix
+    NO_STAGING = "no_staging"  # every staging buffer is busy or quarantined
     INTERNAL = "internal"  # a bug in kvcr, caught at a boundary
 
 
-class HintRejection(str, enum.Enum):
-    """Why a request's hint was not used (the request is then served from local DRAM only)."""
-
-    MALFORMED = "malformed"  # not JSON, not an object, a field of the wrong type
-    UNSUPPORTED = "unsupported"  # protocol or action version, or mode, kvcr does not speak
-    NO_FETCH_ACTION = "no_fetch_action"  # an envelope without a kv.fetch action
-    BAD_ENDPOINT = "bad_endpoint"  # source_control_endpoint missing or unparsable
-    BAD_HASHES = "bad_hashes"  # block_hashes missing, not u64s, or too many
-    UNTRUSTED_SOURCE = "untrusted_source"  # the source is not one the cluster vouches for
-    REMOTE_DISABLED = "remote_disabled"  # a hint arrived but remote restore is off here
+HintRejection = Rejection
+"""Why a request's hint was not used (the domain's closed set; the request is served locally)."""
 
 
 class RefusalReason(str, enum.Enum):
-    """Why this replica's peer server refused a request."""
+    """Why this replica's peer server refused a request (the peer protocol's codes)."""
 
-    AUTH = "auth"
+    MALFORMED = "malformed"
     VERSION = "version"
     NAMESPACE = "namespace"
-    MALFORMED = "malformed"
-    REPLAY = "replay"
-    TOO_MANY_KEYS = "too_many_keys"
+    UNKNOWN_SESSION = "unknown_session"
+    TOO_LARGE = "too_large"
+    CLOSING = "closing"
     INTERNAL = "internal"
+    REPLAYED = "replayed"
+    # Refused by the control channel before any frame reached the server (CURVE, ZMTP):
+    CREDENTIALS = "credentials"
+    PROTOCOL = "protocol"
+    HANDSHAKE = "handshake"
+    FRAME = "frame"
 
 
 class LeaseRole(str, enum.Enum):

@@ -27,13 +27,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvcr.domain.layout import PieceRun, slot_runs
-from kvcr.domain.outcomes import RESTORED, PageOutcome, failed, miss, uncertain
+from kvcr.domain.outcomes import RESTORED, Outcome, PageOutcome, failed, miss, uncertain
 from kvcr.domain.residency import lease_accepts
 from kvcr.ports.clock import Clock
 from kvcr.ports.control import ControlChannel
 from kvcr.ports.dataplane import DataPlane, PeerInfo, TransferState
 from kvcr.ports.errors import PeerRefused, TransportError
 from kvcr.ports.memory import HostMemory, Move
+from kvcr.ports.metric_catalogue import FailureReason, Path, Result
+from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metrics import Metrics
 from kvcr.runner import protocol
 from kvcr.runner.protocol import NONCE_BYTES, Hello, HelloReply, Lease, LeaseReply, PoolWire, RefusalCode, Refused
@@ -45,6 +47,12 @@ log = logging.getLogger(__name__)
 LANDINGS = ("auto", "direct", "staged")
 _STALE = miss("source does not hold it")
 _RATE_WEIGHT = 0.3  # EWMA weight of the newest read in a link's throughput estimate
+_RESULTS = {
+    Outcome.RESTORED: Result.OK,
+    Outcome.MISS: Result.MISS,
+    Outcome.FAILED: Result.FAILED,
+    Outcome.UNCERTAIN: Result.UNCERTAIN,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,10 +194,10 @@ class PeerClient:
                 return None
             asked = [(pool, pages) for pool, pages in wanted if pool in link.pools]
             if not asked:
-                self._count_miss("pool_not_shared", sum(len(p) for _, p in wanted))
+                self._count_miss(FailureReason.INCOMPATIBLE, sum(len(p) for _, p in wanted))
                 return None
             if self._slower_than_recompute(link, asked):
-                self._count_miss("slower_than_recompute", sum(len(p) for _, p in asked))
+                self._count_miss(FailureReason.SLOWER_THAN_RECOMPUTE, sum(len(p) for _, p in asked))
                 return None
             nonce = secrets.token_bytes(NONCE_BYTES)
             message = Lease(
@@ -219,7 +227,7 @@ class PeerClient:
         if not shapes_match:
             log.warning("kvcr: peer %s answered a LEASE with the wrong shape; ignored", link.endpoint)
             self._send_release(link, reply.lease_id)
-            self._count_miss("malformed_reply", sum(len(p) for _, p in asked))
+            self._count_miss(FailureReason.MALFORMED_REPLY, sum(len(p) for _, p in asked))
             return None
         slots: dict[tuple[str, str], int] = {}
         digests: dict[tuple[str, str], bytes] = {}
@@ -231,8 +239,8 @@ class PeerClient:
                     slots[(pool, page)] = slot
                     digests[(pool, page)] = digest
         total = sum(len(p) for _, p in asked)
-        self._metrics.increment("kvcr_remote_leased_pages_total", len(slots))
-        self._metrics.increment("kvcr_remote_stale_pages_total", total - len(slots))
+        if total > len(slots):  # a stale hint: the source no longer holds these
+            self._metrics.increment(M.PAGES, total - len(slots), {"path": Path.REMOTE_RESTORE, "outcome": Result.MISS})
         lease = RemoteLease(link.endpoint, reply.lease_id, sent_at, reply.ttl_ms / 1000, slots, digests, link)
         if not slots:
             lease.released = True
@@ -285,9 +293,22 @@ class PeerClient:
                 outcomes[item.pool][item.index] = outcome
             if not moved:
                 break  # the rest stays a miss: do not pile transfers on a failing peer
-        restored = sum(o.restored for outs in outcomes.values() for o in outs)
-        self._metrics.increment("kvcr_restore_pages_total", restored, {"source": "remote"})
+        self._count(outcomes, requests)
+        self._metrics.observe(M.RESTORE_SECONDS, self._clock.now() - now, {"path": Path.REMOTE_RESTORE})
         return outcomes
+
+    def _count(self, outcomes: dict[str, list[PageOutcome]], requests: Sequence[PoolRead]) -> None:
+        metrics = self._metrics
+        for request in requests:
+            page_bytes = self._specs[request.pool].page_bytes if request.pool in self._specs else 0
+            tally: dict[Result, int] = {}
+            for outcome in outcomes.get(request.pool, ()):
+                result = _RESULTS[outcome.outcome]
+                tally[result] = tally.get(result, 0) + 1
+            for result, pages in tally.items():
+                metrics.increment(M.PAGES, pages, {"path": Path.REMOTE_RESTORE, "outcome": result})
+                if result is not Result.MISS:
+                    metrics.increment(M.BYTES, pages * page_bytes, {"path": Path.REMOTE_RESTORE, "outcome": result})
 
     def restore(self, endpoint: str, requests: Sequence[PoolRead]) -> dict[str, list[PageOutcome]]:
         """Lease, read and release in one call."""
@@ -324,7 +345,7 @@ class PeerClient:
                 if buffer is None:
                     for taken in buffers.values():
                         self._staging.give_back(taken)
-                    self._count_miss("no_staging", len(chunk))
+                    self._count_miss(FailureReason.NO_STAGING, len(chunk))
                     return [miss("no staging memory free")] * len(chunk), False
                 buffers[pool] = buffer
         runs: list[PieceRun] = []
@@ -410,7 +431,8 @@ class PeerClient:
                 bad += 1
                 outcomes.append(failed("bytes differ from the source's digest"))
         if bad:
-            self._metrics.increment("kvcr_verification_failures_total", bad, {"source": "remote"})
+            self._metrics.increment(M.VERIFICATION_FAILURES, bad, {"path": Path.REMOTE_RESTORE})
+            self._fail(FailureReason.VERIFICATION)
             log.error("kvcr: %d pages read from %s failed verification; reported as misses", bad, lease.endpoint)
         return outcomes
 
@@ -448,13 +470,13 @@ class PeerClient:
             self._mark_down(lease.endpoint, "a read stalled")
             # A transport that fences on disconnect says so at once; give it a moment, no more.
             state = self._wait(handle, self._clock.now() + 0.5 if not staged else self._clock.now())
-        self._metrics.increment("kvcr_transfers_timed_out_total")
+        self._fail(FailureReason.LEASE_EXPIRED if expired else FailureReason.TIMEOUT)
         if state.terminal:
             self._data_plane.release(handle)  # a late DONE stays a failure
             return why, True
         with self._lock:
             self._quarantine.append(handle)
-        self._metrics.increment("kvcr_transfers_uncertain_total")
+        self._fail(FailureReason.UNCERTAIN)
         if staged:
             log.warning("kvcr: a read from %s never stopped; its staging buffer is quarantined", lease.endpoint)
             return miss("read stalled (staged, quarantined)"), False
@@ -552,13 +574,13 @@ class PeerClient:
             self._mark_down(endpoint, str(exc))
             return None
         if isinstance(reply, Refused):
-            self._metrics.increment("kvcr_peer_refusals_total")
+            self._fail(FailureReason.PEER_REFUSED)
             if reply.code != RefusalCode.UNKNOWN_SESSION:
                 self._mark_down(endpoint, f"refused ({_refusal_name(reply.code)})")
             return reply
         if getattr(reply, "nonce", None) != nonce:
             # A reply to another request (or a replayed one): never act on it.
-            self._metrics.increment("kvcr_peer_replies_unbound_total")
+            self._fail(FailureReason.UNBOUND_REPLY)
             self._mark_down(endpoint, "reply does not answer our request")
             return None
         return reply
@@ -569,13 +591,14 @@ class PeerClient:
 
     def _mark_down(self, endpoint: str, why: str) -> None:
         log.info("kvcr: peer %s skipped for %.1fs: %s", endpoint, self._timing.retry_after_s, why)
-        self._metrics.increment("kvcr_peer_failures_total")
+        self._fail(FailureReason.PEER_UNAVAILABLE)
         with self._lock:
             link = self._links.pop(endpoint, None)
-            self._down_until[endpoint] = self._clock.now() + self._timing.retry_after_s
-            if len(self._down_until) > 4 * self.settings.max_links:
-                now = self._clock.now()
-                self._down_until = {e: t for e, t in self._down_until.items() if t > now}
+            now = self._clock.now()
+            self._down_until[endpoint] = now + self._timing.retry_after_s
+            self._down_until = {e: t for e, t in self._down_until.items() if t > now}
+            down = len(self._down_until)
+        self._metrics.set_gauge(M.PEERS_QUARANTINED, down)
         if link is not None:
             self._drop(endpoint, link)
 
@@ -609,8 +632,12 @@ class PeerClient:
         recompute_s = pages * settings.tokens_per_page / settings.recompute_tokens_per_s
         return transfer_s > recompute_s
 
-    def _count_miss(self, reason: str, pages: int) -> None:
-        self._metrics.increment("kvcr_remote_misses_total", pages, {"reason": reason})
+    def _count_miss(self, reason: FailureReason, pages: int) -> None:
+        self._fail(reason)
+        self._metrics.increment(M.PAGES, pages, {"path": Path.REMOTE_RESTORE, "outcome": Result.MISS})
+
+    def _fail(self, reason: FailureReason) -> None:
+        self._metrics.increment(M.FAILURES, 1, {"path": Path.REMOTE_RESTORE, "reason": reason})
 
 
 def _refusal_name(code: int) -> str:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 from kvcr.domain.layout import PieceRun
 from kvcr.ports.dataplane import DataPlane, GuardedReads, PeerActivity
+from kvcr.ports.metric_catalogue import MetricName as M
+from kvcr.ports.metric_catalogue import RefusalReason
 from kvcr.ports.metrics import Metrics
 from kvcr.runner import protocol
 from kvcr.runner.protocol import (
@@ -209,7 +211,7 @@ class PeerServer:
             self._activity.expect_reads(self._runner.config.timing.lease_s)
 
     def _refusal(self, nonce: bytes, code: RefusalCode) -> Refused:
-        self._metrics.increment("kvcr_peer_refused_total", labels={"reason": code.name.lower()})
+        self._metrics.increment(M.PEER_REQUESTS_REFUSED, labels={"reason": RefusalReason(code.name.lower())})
         now = time.monotonic()
         if now - self._last_log >= _LOG_EVERY_S:  # refusals are peer-driven: never one line each
             self._last_log = now

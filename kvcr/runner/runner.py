@@ -35,6 +35,8 @@ from kvcr.ports.clock import Clock
 from kvcr.ports.errors import MemoryCopyError, RegistrationError
 from kvcr.ports.inventory import InventoryEvent, InventoryKind, InventorySink
 from kvcr.ports.memory import HostMemory, Move
+from kvcr.ports.metric_catalogue import FailureReason, LeaseRole, Path, Result
+from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metrics import Metrics
 from kvcr.runner.arena import Arena, host_label
 from kvcr.runner.config import RunnerConfig
@@ -175,6 +177,7 @@ class KvcrRunner:
             self._release_arenas()
             raise
         check_disjoint([r for p in self._pools.values() if p.arena for r in p.arena.regions])
+        self._gauges()
 
     def _arena(self, spec: PoolSpec, slots: int) -> Arena:
         try:
@@ -439,7 +442,8 @@ class KvcrRunner:
         delivered: Callable[[int], Sequence[tuple[int, int]]],
         prefix_only: bool,
     ) -> list[PageOutcome]:
-        deadline = self._clock.now() + self.config.timing.operation_s
+        started = self._clock.now()
+        deadline = started + self.config.timing.operation_s
         outcomes: list[PageOutcome] = [_NOT_HELD] * len(page_hashes)
         claimed: list[tuple[int, _Entry]] = []
         with self._locked(deadline):
@@ -483,11 +487,19 @@ class KvcrRunner:
                         self._free_slot(state, entry)
                 self._inflight -= 1
                 self._quiet.notify_all()
-        labels = {"pool": state.spec.name, "source": "local"}
-        self._metrics.increment("kvcr_restore_pages_total", len(claimed) - len(corrupt) if copied else 0, labels)
-        self._metrics.increment("kvcr_restore_misses_total", len(page_hashes) - len(claimed), labels)
+        self._count(
+            Path.LOCAL_RESTORE,
+            state,
+            ok=len(claimed) - len(corrupt) if copied else 0,
+            miss=len(page_hashes) - len(claimed),
+            failed=len(corrupt) if copied else len(claimed),
+        )
+        if not copied and claimed:
+            self._metrics.increment(M.FAILURES, 1, {"path": Path.LOCAL_RESTORE, "reason": FailureReason.COPY_ERROR})
+        if claimed:
+            self._metrics.observe(M.RESTORE_SECONDS, self._clock.now() - started, {"path": Path.LOCAL_RESTORE})
         if corrupt:
-            self._metrics.increment("kvcr_verification_failures_total", len(corrupt), labels)
+            self._metrics.increment(M.VERIFICATION_FAILURES, len(corrupt), {"path": Path.LOCAL_RESTORE})
             log.error(
                 "kvcr: %d pages of pool %s changed in kvcr memory since their backup; dropped, reported as misses",
                 len(corrupt),
@@ -563,8 +575,10 @@ class KvcrRunner:
             if claims:
                 lease_id = self._new_lease_id()
                 self._leases[lease_id] = _HeldLease(Lease(lease_id, (), now, now + duration), claims)
-        self._metrics.increment("kvcr_leases_granted_total")
-        self._metrics.increment("kvcr_lease_pages_total", len(claims))
+        served = sum(state.spec.page_bytes for state, _ in claims)
+        self._metrics.increment(M.PAGES, len(claims), {"path": Path.SERVED, "outcome": Result.OK})
+        self._metrics.increment(M.BYTES, served, {"path": Path.SERVED, "outcome": Result.OK})
+        self._leases_gauge()
         return LeaseGrant(lease_id, tuple(slots), tuple(digests), duration)
 
     def leased_slots(self, lease_id: int) -> dict[str, set[int]] | None:
@@ -602,6 +616,7 @@ class KvcrRunner:
                 return False
             self._drop_claims(held)
             self._quiet.notify_all()
+            self._leases_gauge()
         return True
 
     def expire_leases(self) -> int:
@@ -628,7 +643,7 @@ class KvcrRunner:
                 state.entries = {}
                 state.policy = POLICIES[self.config.policy]()
             self._inventory.publish(InventoryEvent(InventoryKind.CLEARED))
-        self._metrics.increment("kvcr_clear_total")
+        self._gauges()
 
     def stats(self) -> RunnerStats:
         """A snapshot of occupancy per pool plus the counters."""
@@ -695,12 +710,40 @@ class KvcrRunner:
 
     # ------------------------------------------------------------------ internals
 
+    def _count(self, path: Path, state: _Pool, *, ok: int, miss: int = 0, failed: int = 0) -> None:
+        """Pages (and bytes) of one operation on ``path``, by outcome."""
+        metrics, page_bytes = self._metrics, state.spec.page_bytes
+        for outcome, pages in ((Result.OK, ok), (Result.MISS, miss), (Result.FAILED, failed)):
+            if pages > 0:
+                metrics.increment(M.PAGES, pages, {"path": path, "outcome": outcome})
+                if outcome is not Result.MISS:
+                    metrics.increment(M.BYTES, pages * page_bytes, {"path": path, "outcome": outcome})
+
+    def _pool_gauges(self, state: _Pool) -> None:
+        arena = state.arena
+        if arena is None:
+            return
+        free = arena.free_count * state.spec.page_bytes
+        self._metrics.set_gauge(M.DRAM_FREE_BYTES, free, {"pool": state.spec.name})
+        self._metrics.set_gauge(
+            M.DRAM_USED_BYTES, arena.slots * state.spec.page_bytes - free, {"pool": state.spec.name}
+        )
+
+    def _gauges(self) -> None:
+        for state in self._pools.values():
+            self._pool_gauges(state)
+        self._leases_gauge()
+
+    def _leases_gauge(self) -> None:
+        self._metrics.set_gauge(M.LEASES_HELD, len(self._leases), {"role": LeaseRole.SOURCE})
+
     def _expire_leases(self, now: float) -> int:
         expired = [lid for lid, held in self._leases.items() if held.lease.expired(now)]
         for lease_id in expired:
             self._drop_claims(self._leases.pop(lease_id))
         if expired:
-            self._metrics.increment("kvcr_leases_expired_total", len(expired))
+            self._metrics.increment(M.LEASES_EXPIRED, len(expired))
+            self._leases_gauge()
             self._quiet.notify_all()
         return len(expired)
 
@@ -811,7 +854,7 @@ class KvcrRunner:
         arena.give_back_many(freed)
         if victims:
             self._inventory.publish(InventoryEvent(InventoryKind.REMOVED, state.spec.name, tuple(victims)))
-            self._metrics.increment("kvcr_evicted_pages_total", len(victims), {"pool": state.spec.name})
+            self._metrics.increment(M.EVICTED_PAGES, len(victims), {"pool": state.spec.name})
         slots.extend(arena.take(short))
         return slots
 
@@ -866,10 +909,14 @@ class KvcrRunner:
                     page_hashes[first - 1] if first else parent,
                 )
             )
-        labels = {"pool": pool}
-        self._metrics.increment("kvcr_backup_pages_total", len(stored), labels)
-        if not copied and fills:
-            self._metrics.increment("kvcr_backup_failed_pages_total", len(fills), labels)
+        unstored = len(page_hashes) - len(ready)
+        failed_pages = len(fills) if not copied else 0
+        self._count(Path.BACKUP, state, ok=len(stored), miss=unstored - failed_pages, failed=failed_pages)
+        if failed_pages:
+            self._metrics.increment(M.FAILURES, 1, {"path": Path.BACKUP, "reason": FailureReason.COPY_ERROR})
+        elif unstored:
+            self._metrics.increment(M.FAILURES, 1, {"path": Path.BACKUP, "reason": FailureReason.NO_SPACE})
+        self._pool_gauges(state)
 
     def _aligned(self, state: _Pool, pages: list[str]) -> list[str]:
         """``pages`` preceded by their resident ancestors, root first (prefix-recency alignment)."""

@@ -25,7 +25,7 @@ def build(memory, inventory):
 
     def _build(pools=None, slots=16, host_pages=64, **changes):
         pools = tuple(pools or (kv_pool(),))
-        runner = make_runner(pools, slots, memory, MonotonicClock(), InMemoryMetrics(), inventory, **changes)
+        runner = make_runner(pools, slots, memory, MonotonicClock(), InMemoryMetrics(strict=True), inventory, **changes)
         hosts = {}
         for p in pools:
             if p.physical:

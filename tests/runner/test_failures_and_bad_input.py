@@ -17,7 +17,9 @@ from tests.support import HostPool, content, kv_pool, make_runner, runner_config
 
 def new_runner(memory, slots=8, pools=None, inventory=None):
     pools = tuple(pools or (kv_pool(),))
-    runner = make_runner(pools, slots, memory, MonotonicClock(), InMemoryMetrics(), inventory or RecordingInventory())
+    runner = make_runner(
+        pools, slots, memory, MonotonicClock(), InMemoryMetrics(strict=True), inventory or RecordingInventory()
+    )
     hosts = {p.name: HostPool(p, 32) for p in pools if p.physical}
     for name, host in hosts.items():
         runner.register_host_pool(name, host.regions)
@@ -47,7 +49,7 @@ def test_failed_backup_leaves_no_ready_page_and_changes_nothing_else():
     assert [e.kind for e in inventory.events] == [InventoryKind.STORED]
     memory.fail_after_moves = None
     assert stored(runner, hosts["kv"], doomed, [2, 3]) == [True, True]
-    assert runner.stats().counters["kvcr_backup_failed_pages_total{pool=kv}"] == 2
+    assert runner.stats().counters["kvcr_pages_total{outcome=failed,path=backup}"] == 2
     runner.close()
 
 
@@ -153,7 +155,7 @@ def test_close_keeps_memory_when_an_operation_never_ends():
         runner_config((kv_pool(),), 4, timing=Timing(operation_s=0.05, abandon_s=0.1, control_s=0.05)),
         memory=memory,
         clock=MonotonicClock(),
-        metrics=InMemoryMetrics(),
+        metrics=InMemoryMetrics(strict=True),
         inventory=RecordingInventory(),
     )
     del config
@@ -247,7 +249,7 @@ def test_an_arena_too_large_to_map_names_dram_bytes():
             runner_config(pools, 1 << 40),  # 512 TiB: more than x86-64 user space holds
             memory=MmapHostMemory(populate=False),
             clock=MonotonicClock(),
-            metrics=InMemoryMetrics(),
+            metrics=InMemoryMetrics(strict=True),
             inventory=RecordingInventory(),
         )
 

@@ -188,9 +188,9 @@ def test_stats_count_operations(build):
     runner.backup("kv", pages, [0, 1])
     runner.restore("kv", [*pages, sequence(1, start=999)[0]], [5, 6, 7])
     counters = runner.stats().counters
-    assert counters["kvcr_backup_pages_total{pool=kv}"] == 2
-    assert counters["kvcr_restore_pages_total{pool=kv,source=local}"] == 2
-    assert counters["kvcr_restore_misses_total{pool=kv,source=local}"] == 1
+    assert counters["kvcr_pages_total{outcome=ok,path=backup}"] == 2
+    assert counters["kvcr_pages_total{outcome=ok,path=local_restore}"] == 2
+    assert counters["kvcr_pages_total{outcome=miss,path=local_restore}"] == 1
 
 
 @pytest.mark.parametrize("slots", [1, 3])

@@ -91,7 +91,7 @@ def test_namespace_mismatch_is_an_incompatible_peer(cluster):
     result = b.client.restore(a.endpoint, [PoolRead("kv", pages, [5, 6])])
     assert outcomes_of(result) == [Outcome.MISS, Outcome.MISS]
     assert b.hosts["kv"].read_page(5) == bytes(512)
-    assert counter(a, "kvcr_peer_refused_total{reason=namespace}") == 1
+    assert counter(a, "kvcr_peer_requests_refused_total{reason=namespace}") == 1
     assert b.client.links == 0
 
 
@@ -148,7 +148,7 @@ def test_replayed_and_substituted_frames_get_nothing(cluster):
         replayed = protocol.decode(a.server.handle(lease))
         assert isinstance(replayed, Refused) and replayed.code == RefusalCode.REPLAYED
     assert a.runner.active_leases == 1  # replays pin nothing
-    assert counter(a, "kvcr_peer_refused_total{reason=replayed}") == 51
+    assert counter(a, "kvcr_peer_requests_refused_total{reason=replayed}") == 51
 
 
 def test_a_reply_to_another_request_is_never_used(cluster):
@@ -173,7 +173,7 @@ def test_a_reply_to_another_request_is_never_used(cluster):
     result = b.client.restore(a.endpoint, [PoolRead("kv", pages[:4], [10, 11, 12, 13])])
     assert outcomes_of(result) == [Outcome.MISS] * 4  # the substituted reply does not answer our nonce
     assert all(b.hosts["kv"].read_page(10 + i) == bytes(512) for i in range(4))
-    assert counter(b, "kvcr_peer_replies_unbound_total") == 1
+    assert counter(b, "kvcr_failures_total{path=remote_restore,reason=unbound_reply}") == 1
 
 
 def test_dead_peer_is_a_miss_and_is_not_dialled_again_at_once(cluster):
@@ -183,9 +183,11 @@ def test_dead_peer_is_a_miss_and_is_not_dialled_again_at_once(cluster):
     cluster.fabric.kill("A")
     cluster.fabric.kill(a.endpoint)
     assert outcomes_of(b.client.restore(a.endpoint, [PoolRead("kv", pages, [5, 6])])) == [Outcome.MISS] * 2
-    failures = counter(b, "kvcr_peer_failures_total")
+    failures = counter(b, "kvcr_failures_total{path=remote_restore,reason=peer_unavailable}")
     b.client.restore(a.endpoint, [PoolRead("kv", pages, [5, 6])])
-    assert counter(b, "kvcr_peer_failures_total") == failures  # skipped during retry_after
+    assert (
+        counter(b, "kvcr_failures_total{path=remote_restore,reason=peer_unavailable}") == failures
+    )  # skipped during retry_after
 
 
 def test_source_dies_between_lease_and_read(cluster):
@@ -321,7 +323,7 @@ def test_partial_and_corrupt_reads(cluster):
     # The fault flips the first byte of each run: both pages arrive damaged and are refused.
     assert outcomes_of(result) == [Outcome.FAILED, Outcome.FAILED]
     assert "digest" in result["kv"][0].reason
-    assert counter(d, "kvcr_verification_failures_total{source=remote}") == 2
+    assert counter(d, "kvcr_verification_failures_total{path=remote_restore}") == 2
     c.data_plane.set_faults(Faults())
     assert outcomes_of(d.client.restore(c.endpoint, [PoolRead("kv", pages, [5, 7])])) == [Outcome.RESTORED] * 2
 
@@ -444,7 +446,7 @@ def test_a_slow_link_degrades_to_recompute(cluster):
     assert outcomes_of(first) == [Outcome.RESTORED]  # no estimate yet: try, and learn ~512 B/s
     second = b.client.restore(a.endpoint, [PoolRead("kv", pages, [6, 7, 8, 9])])
     assert outcomes_of(second) == [Outcome.MISS] * 4  # 4 pages at 512 B/s > 16 tokens at 1000 tok/s
-    assert counter(b, "kvcr_remote_misses_total{reason=slower_than_recompute}") == 4
+    assert counter(b, "kvcr_failures_total{path=remote_restore,reason=slower_than_recompute}") == 1
 
 
 def test_close_does_not_wait_out_a_peers_lease(cluster):

@@ -18,7 +18,6 @@ from kvcr.ports.metric_catalogue import (
     check,
 )
 from kvcr.ports.metric_catalogue import Path as PagePath
-from kvcr.ports.metric_legacy import LEGACY, translate
 
 RUNNER = Path(__file__).resolve().parents[2] / "kvcr" / "runner"
 
@@ -60,7 +59,7 @@ def test_check_names_what_is_wrong_and_never_echoes_a_value():
 
 
 def test_in_memory_metrics_raise_in_strict_mode_and_count_drops_otherwise():
-    strict = InMemoryMetrics()
+    strict = InMemoryMetrics(strict=True)
     strict.increment(MetricName.FAILURES, 1, {"path": PagePath.REMOTE_RESTORE, "reason": FailureReason.TIMEOUT})
     strict.observe(MetricName.RESTORE_SECONDS, 0.5, {"path": PagePath.LOCAL_RESTORE})
     strict.set_gauge(MetricName.DRAM_FREE_BYTES, 4096, {"pool": "kv"})
@@ -93,33 +92,18 @@ def test_the_prometheus_adapter_refuses_the_same_emissions():
         strict.increment(MetricName.PEER_RESTARTS, -1)
     lenient = PrometheusMetrics(CollectorRegistry())
     lenient.increment(MetricName.HINTS_REJECTED, 1, {"reason": "bad json at byte 3"})
-    lenient.increment(MetricName.HINTS_REJECTED, 2, {"reason": "malformed"})
+    lenient.increment(MetricName.HINTS_REJECTED, 2, {"reason": "not_json"})
     snap = lenient.snapshot()
     assert snap["kvcr_metrics_dropped_total{reason=bad_value}"] == 1
-    assert snap["kvcr_hints_rejected_total{reason=malformed}"] == 2
+    assert snap["kvcr_hints_rejected_total{reason=not_json}"] == 2
     assert not any("byte 3" in key for key in snap)
 
 
-def _runner_counter_names():
-    names = set()
-    for source in RUNNER.glob("*.py"):
-        names |= set(re.findall(r'increment\(\s*"([a-z_]+)"', source.read_text()))
-    return names
-
-
-def test_every_counter_the_runner_emits_today_is_known():
-    emitted = _runner_counter_names()
-    assert emitted, "found no metric calls in kvcr/runner (did the call style change? update this test)"
-    assert emitted <= set(LEGACY) | set(CATALOGUE), emitted - set(LEGACY) - set(CATALOGUE)
-
-
-@pytest.mark.parametrize("name", sorted(LEGACY))
-def test_each_legacy_counter_translates_into_valid_catalogue_series(name):
-    labels = {"pool": "kv", "source": "remote", "reason": "auth"}
-    for new_name, value, new_labels in translate(name, 3, labels) or []:
-        spec, _ = check(new_name, Kind.COUNTER, new_labels)
-        assert value in (1, 3) and spec.name is new_name
-    assert translate("kvcr_pages_total", 1, {}) is None
+def test_the_runner_names_metrics_only_through_the_catalogue():
+    literal = []
+    for source in [*RUNNER.glob("*.py"), *RUNNER.parent.joinpath("integrations").rglob("*.py")]:
+        literal += re.findall(r'(?:increment|set_gauge|observe)\(\s*"([a-z_]+)"', source.read_text())
+    assert not literal, f"metric names written as text instead of MetricName: {literal}"
 
 
 def test_the_operator_docs_list_every_metric_and_label_value():

@@ -1,8 +1,8 @@
 """Thread-safe in-memory metrics checked against the catalogue; ``snapshot`` feeds stats pages and tests.
 
-Strict by default: an emission the catalogue does not allow raises, so a test that exercises a
-call site catches a misspelt name or an open-ended label value. Pre-catalogue counter names
-(``kvcr.ports.metric_legacy``) are recorded as given while the runner still emits them.
+Strict mode (tests): an emission the catalogue does not allow raises, so a test that exercises a
+call site catches a misspelt name or an open-ended label value. In production it is dropped and
+counted in ``kvcr_metrics_dropped_total``, never raised into the serving path.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kvcr.ports.metric_catalogue import Kind, MetricError, MetricName, check, series
-from kvcr.ports.metric_legacy import LEGACY
 
 
 class InMemoryMetrics:
@@ -23,15 +22,12 @@ class InMemoryMetrics:
             count it in ``kvcr_metrics_dropped_total{reason}``.
     """
 
-    def __init__(self, *, strict: bool = True) -> None:
+    def __init__(self, *, strict: bool = False) -> None:
         self._values: dict[str, float] = {}
         self._lock = threading.Lock()
         self._strict = strict
 
     def increment(self, name: str, value: float = 1.0, labels: Mapping[str, str] | None = None) -> None:
-        if name in LEGACY and not isinstance(name, MetricName):
-            self._add(series(name, labels), value)
-            return
         key = self._key(name, Kind.COUNTER, labels)
         if key is not None:
             self._add(key, value)

@@ -28,7 +28,6 @@ from kvcr.ports.metric_catalogue import (
     check,
     series,
 )
-from kvcr.ports.metric_legacy import translate
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +71,6 @@ class PrometheusMetrics:
             _prefill(spec, family)
 
     def increment(self, name: str, value: float = 1.0, labels: Mapping[str, str] | None = None) -> None:
-        if not isinstance(name, MetricName):
-            legacy = translate(name, value, labels)
-            if legacy is not None:
-                for new_name, new_value, new_labels in legacy:
-                    self._emit(Kind.COUNTER, new_name, new_labels, _inc(new_value))
-                return
         if value < 0:
             self._refuse(MetricError(DropReason.BAD_VALUE, f"counter {name!s} cannot go down"))
             return

@@ -17,6 +17,7 @@ from typing import Any
 from kvcr.domain.hints import FetchHint, Rejection, parse_hint
 from kvcr.integrations.shared import hints_bridge
 from kvcr.integrations.shared.settings import KvcrSettings
+from kvcr.ports.metric_catalogue import MetricName
 from kvcr.ports.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class HintReader:
             quiet = now - self._last_log < _LOG_EVERY_S
             if not quiet:
                 self._last_log = now
-        self._metrics.increment("kvcr_hints_rejected_total", labels={"reason": code.value})
+        self._metrics.increment(MetricName.HINTS_REJECTED, labels={"reason": code})
         if not quiet:  # hints come from requests: at most one line per interval
             log.info("kvcr: ignoring a hint (%s); serving from local DRAM only", reason)
 

@@ -106,6 +106,11 @@ class KvcrHiCacheStorage(HiCacheStorage):
     def node(self) -> Any:
         return self._ready().node
 
+    @property
+    def kv_events(self) -> Any:
+        """The KV-event sink publishing kvcr DRAM residency (None when this rank publishes none)."""
+        return self._started.kv_events if self._started is not None else None
+
     # ------------------------------------------------------------------ sources
 
     def _sources(self, extra_info: Any, pools: list[str]) -> dict[str, Source | None]:

@@ -34,7 +34,7 @@ class Replica:
             runner_config((self.pool,), slots, name=name),
             memory=MmapHostMemory(),
             clock=MonotonicClock(),
-            metrics=InMemoryMetrics(),
+            metrics=InMemoryMetrics(strict=True),
             inventory=self.sink,
         )
         self.host = HostPool(self.pool, 32)

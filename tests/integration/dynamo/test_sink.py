@@ -132,7 +132,7 @@ def test_a_runner_publishes_only_the_kv_anchor_pool_through_the_sink():
         runner_config(pools, 8),
         memory=MmapHostMemory(),
         clock=MonotonicClock(),
-        metrics=InMemoryMetrics(),
+        metrics=InMemoryMetrics(strict=True),
         inventory=sink,
     )
     hosts = {p.name: HostPool(p, 8) for p in pools}

@@ -70,6 +70,8 @@ def test_a_peer_without_the_cluster_token_gets_nothing_at_all(cluster, their_tok
     assert b.client.links == 0  # never got a HELLO reply, so never learnt A's data-plane description
     assert a.runner.active_leases == 0
     assert sum(a.control.refusals.values()) >= 1  # CURVE refused it, and counted it
+    refused = {k: v for k, v in a.metrics.snapshot().items() if k.startswith("kvcr_peer_requests_refused_total")}
+    assert sum(refused.values()) >= 1, refused
 
 
 def test_a_dead_source_is_a_quick_miss(cluster):
@@ -82,4 +84,4 @@ def test_a_dead_source_is_a_quick_miss(cluster):
     result = b.client.restore(endpoint, [PoolRead("kv", pages, [5, 6])])
     assert outcomes_of(result) == [Outcome.MISS, Outcome.MISS]
     assert time.monotonic() - started < TIMING.control_s + 0.5
-    assert b.metrics.snapshot()["kvcr_peer_failures_total"] == 1
+    assert b.metrics.snapshot()["kvcr_failures_total{path=remote_restore,reason=peer_unavailable}"] == 1
