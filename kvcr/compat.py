@@ -20,7 +20,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -288,10 +288,6 @@ def ensure_supported(
     return findings
 
 
-def problems(findings: Iterable[Finding]) -> list[Finding]:
-    return [f for f in findings if not f.ok]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvcr.compat``: one line per check; exit 1 on a clash, an unsupported version or a
     missing base dependency (an optional part that is not installed is reported, not failed)."""
@@ -299,10 +295,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     findings = doctor_findings()
     for finding in findings:
         print(finding.line)
-    return 1 if any(_fails(f) for f in findings) else 0
+    return 1 if any(is_problem(f) for f in findings) else 0
 
 
-def _fails(finding: Finding) -> bool:
+def is_problem(finding: Finding) -> bool:
+    """For ``kvcr doctor``: a clash, an unsupported version or a missing base dependency; an optional part
+    that is not installed is not (the entry point that needs it refuses to start instead)."""
     return finding.status in (Status.CLASH, Status.UNSUPPORTED) or (
         finding.check == "base" and finding.status is Status.MISSING
     )

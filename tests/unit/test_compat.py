@@ -145,3 +145,16 @@ def test_main_prints_one_line_per_check_and_fails_only_on_real_problems(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(compat.doctor_findings())
     assert rc == 0, lines
+
+
+def test_doctor_counts_clashes_unsupported_versions_and_missing_base_dependencies_only():
+    missing_optional = check("dynamo", version_of=versions())
+    unsupported = check("sglang", version_of=versions(sglang="0.5.22"))
+    clash = check_import_package(owners=["kvcr-runner", "kvcr"], loaded=OURS)
+    missing_base = compat.check_base_dependencies(version_of=lambda d: None)
+    assert [compat.is_problem(f) for f in (missing_optional, unsupported, clash, missing_base)] == [
+        False,
+        True,
+        True,
+        True,
+    ]
