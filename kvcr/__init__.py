@@ -7,3 +7,5 @@ The package is layered: ``domain`` (pure) <- ``ports`` <- ``runner`` <- ``adapte
 """
 
 __version__ = "0.1.0"
+# Read by kvcr.compat: NVIDIA's KV Cache Runner (PyPI `kvcr`) installs a `kvcr/__init__.py` too.
+__distribution__ = "kvcr-runner"

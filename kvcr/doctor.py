@@ -84,6 +84,7 @@ def run_doctor(options: DoctorOptions, report: Callable[[Finding], None] = lambd
     findings: list[Finding] = []
     settings, config_finding = _settings(options)
     steps: list[tuple[str, Callable[[], Finding]]] = [
+        ("versions", check_versions),
         ("nixl", check_nixl),
         ("transport", lambda: check_transport(options.read_bytes)),
         ("config", lambda: config_finding),
@@ -115,6 +116,18 @@ def summary(findings: Sequence[Finding]) -> str:
 
 
 # ---------------------------------------------------------------------- checks
+
+
+def check_versions() -> Finding:
+    """Supported SGLang, NIXL and Dynamo versions, base dependencies, and the ``kvcr`` name clash."""
+    from kvcr import compat
+
+    findings = compat.doctor_findings()
+    problems = [f for f in findings if compat.is_problem(f)]
+    if problems:
+        return Finding("versions", Status.FAIL, "; ".join(f.line for f in problems))
+    found = ", ".join(f.found for f in findings if f.ok and f.found)
+    return Finding("versions", Status.OK, f"supported: {found}")
 
 
 def check_nixl() -> Finding:

@@ -29,7 +29,7 @@ log() { printf '[install.sh %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 
 # Two stamps: the environment (this script + constraints.txt) and the editable project
 # (pyproject.toml), so an edit of pyproject.toml only re-runs the cheap editable step.
-env_hash() { cat "${BASH_SOURCE[0]}" "$CONSTRAINTS" | sha256sum | cut -d' ' -f1; }
+env_hash() { cat "${BASH_SOURCE[0]}" "$CONSTRAINTS" "$REPO/scripts/sglang-cpu.txt" | sha256sum | cut -d' ' -f1; }
 project_hash() {
     if [ -f "$REPO/pyproject.toml" ]; then sha256sum <"$REPO/pyproject.toml" | cut -d' ' -f1; else echo none; fi
 }
@@ -119,16 +119,14 @@ log "no-deps packages: nixl, nixl-cu13, sglang, triton"
 
 # 3. everything else in one resolver pass, pinned by constraints.txt (setuptools: the editable
 #    install builds without isolation).
-#    SGLang deps needed by the HiCache modules (sglang-0.5.23-contract.md §6.2), Dynamo runtime,
-#    NIXL's numpy, and the test/lint tools.
+#    SGLang deps needed by the HiCache and scheduler modules (scripts/sglang-cpu.txt), Dynamo runtime,
+#    NIXL's numpy, kvcr's base dependencies and the test/lint/build tools.
 log "resolved packages"
 "${PIPC[@]}" \
-    numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq \
-    tqdm IPython aiohttp transformers dill apache-tvm-ffi sentencepiece compressed-tensors gguf \
-    setproctitle openai partial-json-parser einops uvicorn fastapi \
+    -r "$REPO/scripts/sglang-cpu.txt" \
     ai-dynamo-runtime setuptools \
-    msgpack dependency-injector xxhash \
-    prometheus-client matplotlib \
+    msgpack dependency-injector \
+    xxhash prometheus-client matplotlib build \
     pytest pytest-mock pytest-timeout hypothesis ruff mypy import-linter
 
 # 4. the project itself, editable, deps already provided above.

@@ -13,4 +13,6 @@ step() { printf '\n== %s\n' "$*"; }
 step "ruff";          "$BIN/ruff" check . && "$BIN/ruff" format --check .
 step "mypy --strict"; "$BIN/mypy"
 step "import-linter"; "$BIN/lint-imports"
+SMOKE="${KVCR_WHEEL_SMOKE:-$(($# == 0))}"  # the full run (CI) smoke-tests the wheel; =1 forces, =0 skips
+step "wheel smoke";   if [ "$SMOKE" = 1 ]; then bash scripts/wheel_smoke.sh; else echo "skipped (KVCR_WHEEL_SMOKE=1 runs it)"; fi
 step "pytest";        "$BIN/python" -m pytest "$@"

@@ -63,6 +63,9 @@ class HintProducer:
     def __init__(self, service: Any = None, *, indexer_threads: int = 1) -> None:
         self._owns_service = service is None
         if service is None:
+            from kvcr import compat
+
+            compat.ensure_supported("dynamo-runtime")
             from dynamo.llm import SelectionService
 
             service = SelectionService(indexer_threads=indexer_threads)

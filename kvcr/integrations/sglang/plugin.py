@@ -127,6 +127,13 @@ def load() -> None:
     global _loaded
     if _loaded:
         return
+    from kvcr import compat
+
+    try:
+        compat.ensure_supported("sglang")
+    except compat.IncompatibleEnvironment as exc:
+        log.error("%s; kvcr's plugin stays off", exc)
+        return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(
