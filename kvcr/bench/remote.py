@@ -36,6 +36,7 @@ from kvcr.domain.layout import RegionDescriptor
 from kvcr.domain.units import format_byte_size
 from kvcr.runner.peer_client import PoolRead
 from kvcr.testing.ports import free_port_block
+from kvcr.testing.processes import stop_process
 from kvcr.testing.replica import HostPool, bench_pool, build_node, page_pattern
 
 SOURCE_PAGES = 128
@@ -77,12 +78,7 @@ def source_replica_process(module_args: list[str]) -> Iterator[dict[str, Any]]:
             raise RuntimeError("the source replica did not start")
         yield json.loads(line[0][len("READY ") :])
     finally:
-        if proc.stdin:
-            proc.stdin.close()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 def source_replica(page_bytes: int, port: int) -> contextlib.AbstractContextManager[dict[str, Any]]:

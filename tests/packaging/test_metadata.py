@@ -6,10 +6,10 @@ are read from the installed SGLang, NIXL and Dynamo metadata, not restated.
 """
 
 import importlib.metadata as md
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet

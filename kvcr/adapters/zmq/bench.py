@@ -134,8 +134,9 @@ def run(requests: int, request_bytes: int, reply_bytes: int, rounds: int = 5, co
         plain.close()
         curve.close()
         for proc in (plain_proc, curve_proc):
-            assert proc.stdin is not None
-            proc.stdin.close()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
             proc.wait(10)
     results = {name: _percentiles(values) | {"n": len(values)} for name, values in samples.items()}
     base = results["plaintext"]["p50_us"]

@@ -19,6 +19,7 @@ from kvcr.domain.outcomes import Outcome
 from kvcr.ports.errors import PeerRefused
 from kvcr.runner.peer_client import PeerSettings, PoolRead
 from kvcr.runner.protocol import Codec, Hello, HelloReply
+from kvcr.testing.processes import stop_process
 from kvcr.testing.replica import HostPool, bench_keys, bench_pool, build_node, page_pattern
 from tests.support import free_port
 
@@ -71,15 +72,10 @@ class Source:
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        stop_process(self.proc, grace_s=10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc, grace_s=20)
 
 
 @pytest.fixture

@@ -13,6 +13,8 @@ import prometheus_client  # imported before PROMETHEUS_MULTIPROC_DIR is set: thi
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvcr.testing.processes import stop_process
+
 pytestmark = pytest.mark.multiprocess
 REPO = Path(__file__).resolve().parents[3]
 
@@ -49,8 +51,7 @@ def test_kvcr_series_show_on_sglangs_metrics_page(tmp_path, monkeypatch):
         assert reply.status_code == 200
         got = samples(reply.text)
     finally:
-        child.stdin.close()
-        child.wait(30)
+        stop_process(child)
     assert prometheus_client.values.ValueClass is prometheus_client.values.MutexValue
     restored = got[("kvcr_pages_total", (("outcome", "ok"), ("path", "local_restore")))]
     backed_up = got[("kvcr_pages_total", (("outcome", "ok"), ("path", "backup")))]

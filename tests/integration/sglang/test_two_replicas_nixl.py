@@ -16,6 +16,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
 from kvcr.domain.keys import router_id
+from kvcr.testing.processes import stop_process
 from kvcr.testing.sglang import PAGE_TOKENS, backend, host_pool, storage_config
 from kvcr.testing.sglang_replica import expected_pages
 from tests.support import free_port
@@ -58,13 +59,7 @@ def start_replica_a(pages: int, layers: int, seed: int) -> tuple[subprocess.Pope
 
 
 def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.stdin.close()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    stop_process(proc)
 
 
 def hint(info: dict) -> HiCacheStorageExtraInfo:

@@ -20,6 +20,7 @@ import zmq
 from kvcr.adapters.zmq import ZmqControlChannel
 from kvcr.adapters.zmq.curve import Keyring
 from kvcr.ports.errors import ControlTimeout, PeerUnavailable, TransportError
+from kvcr.testing.processes import stop_process
 from tests.contract.zmq_kind import free_port
 from tests.integration.zmq.relay import Relay, flip_at, splice_at
 
@@ -79,7 +80,7 @@ class Server:
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait(10)
+        stop_process(self.proc, grace_s=10)
         self._stderr.close()
 
     def stop(self) -> None:

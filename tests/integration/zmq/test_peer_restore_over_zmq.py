@@ -69,6 +69,9 @@ def test_a_peer_without_the_cluster_token_gets_nothing_at_all(cluster, their_tok
     assert b.hosts["kv"].read_page(5) == bytes(512)
     assert b.client.links == 0  # never got a HELLO reply, so never learnt A's data-plane description
     assert a.runner.active_leases == 0
+    deadline = time.monotonic() + 3  # the server counts when its socket monitor reports the failure
+    while not sum(a.control.refusals.values()) and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert sum(a.control.refusals.values()) >= 1  # CURVE refused it, and counted it
     refused = {k: v for k, v in a.metrics.snapshot().items() if k.startswith("kvcr_peer_requests_refused_total")}
     assert sum(refused.values()) >= 1, refused
