@@ -242,6 +242,14 @@ class Deployment:
                     f"worker {worker.spec.name} exited ({worker.process.returncode}); see {worker.log}"
                 )
 
+    def wait_gone(self, worker: Worker, timeout_s: float = 60.0) -> None:
+        """Wait until the frontend no longer lists a stopped or killed worker."""
+        deadline = time.monotonic() + timeout_s
+        while worker.worker_id in self.routable_ids():
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"the frontend still lists worker {worker.spec.name} after {timeout_s:.0f} s")
+            time.sleep(0.25)
+
     def routable_ids(self) -> set[int]:
         """Instance ids of the ``generate`` endpoints the frontend currently sees."""
         try:
