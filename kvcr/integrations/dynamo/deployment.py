@@ -319,7 +319,9 @@ class Deployment:
 
     def chat(self, messages: Sequence[Mapping[str, str]], *, max_tokens: int = 8) -> dict[str, Any]:
         """``POST /v1/chat/completions``; the parsed response."""
-        return self._post("/v1/chat/completions", {"model": self.model, "messages": list(messages), "max_tokens": max_tokens})
+        return self._post(
+            "/v1/chat/completions", {"model": self.model, "messages": list(messages), "max_tokens": max_tokens}
+        )
 
     def control(self, worker: Worker, name: str) -> dict[str, Any]:
         """``POST /engine/control/<name>`` on a worker's system port."""

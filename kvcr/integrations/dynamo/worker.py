@@ -28,6 +28,7 @@ import json
 import logging
 import sys
 import threading
+import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
@@ -163,6 +164,7 @@ class KvcrWorker(LLMEngine):
         self._report.write(
             {
                 "event": "request",
+                "time": time.time(),
                 "worker": s.name,
                 "worker_id": self.worker_id,
                 "request_id": request_id,

@@ -274,9 +274,7 @@ class StandInModel:
             started = time.perf_counter()
             restored, restored_at = self._prefetch(request_id, tokens)
             restore_s = time.perf_counter() - started if restored else 0.0
-            mismatched = sum(
-                not self._holds(int(restored_at[i * self.page_tokens]), keys[i]) for i in range(restored)
-            )
+            mismatched = sum(not self._holds(int(restored_at[i * self.page_tokens]), keys[i]) for i in range(restored))
             computed_at = self._compute(keys[restored:])
             backed_up = self._back_up(tokens, keys, local, restored, restored_at, computed_at)
             for held in (restored_at, computed_at):

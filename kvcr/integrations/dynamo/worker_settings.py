@@ -81,9 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated when the request names none")
     p.add_argument("--token-delay-ms", type=float, default=0.0, help="stand-in decode time per token")
-    p.add_argument(
-        "--queue-delay-ms", type=float, default=0.0, help="time a request waits before its storage prefetch"
-    )
+    p.add_argument("--queue-delay-ms", type=float, default=0.0, help="time a request waits before its storage prefetch")
     p.add_argument("--operation-timeout-ms", type=int, default=2000, help="kvcr peer operation timeout")
     p.add_argument("--report", default=None, help="append one JSON line per request to this file")
     return p

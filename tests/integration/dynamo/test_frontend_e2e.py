@@ -42,9 +42,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Deployme
         deployment.start_frontend()
         workers = {
             "a": deployment.start_worker(WorkerSpec("a", token_delay_ms=TOKEN_DELAY_MS)),
-            "b": deployment.start_worker(
-                WorkerSpec("b", token_delay_ms=TOKEN_DELAY_MS, queue_delay_ms=QUEUE_DELAY_MS)
-            ),
+            "b": deployment.start_worker(WorkerSpec("b", token_delay_ms=TOKEN_DELAY_MS, queue_delay_ms=QUEUE_DELAY_MS)),
         }
         deployment.wait_ready(workers.values())
         yield deployment, workers
@@ -75,7 +73,7 @@ class Background:
 
 def seed_on(d: Deployment, worker: Worker, tokens: list[int]) -> dict[str, Any]:
     """Serve ``tokens`` on ``worker`` (pinned) so its kvcr holds them; returns its report line."""
-    record = d.record_of(d.complete(tokens + [token_id(1)], nvext={"backend_instance_id": worker.worker_id}))
+    record = d.record_of(d.complete([*tokens, token_id(1)], nvext={"backend_instance_id": worker.worker_id}))
     assert record["worker"] == worker.spec.name and record["computed_pages"] == PREFIX_PAGES
     assert record["backed_up_pages"] == PREFIX_PAGES
     time.sleep(0.3)  # the KV events reach the router's index in milliseconds
@@ -94,7 +92,7 @@ def test_the_router_hints_a_to_b_and_b_reads_as_pages_over_nixl(cluster):
     tokens = prefix(1)
     seed_on(d, w["a"], tokens)
     busy = keep_busy(d, tokens)
-    reply = d.complete(tokens + [token_id(2), token_id(3)])
+    reply = d.complete([*tokens, token_id(2), token_id(3)])
     busy.join()
     record = d.record_of(reply)
     assert record["worker"] == "b"
@@ -114,7 +112,7 @@ def test_a_stale_hint_after_a_evicted_is_a_miss_and_no_error(cluster):
     tokens = prefix(2)
     seed_on(d, w["a"], tokens)
     busy = keep_busy(d, tokens)
-    pending = Background(lambda: d.complete(tokens + [token_id(4)]))
+    pending = Background(lambda: d.complete([*tokens, token_id(4)]))
     time.sleep(0.4)  # routed (with its hint) and waiting in B's queue
     assert d.control(w["a"], "clear_kvcr") == {"status": "ok", "cleared": True}
     pending.join()
@@ -132,7 +130,7 @@ def test_a_killed_b_recomputes_and_answers(cluster):
     tokens = prefix(3)
     seed_on(d, w["a"], tokens)
     busy = keep_busy(d, tokens)
-    pending = Background(lambda: d.complete(tokens + [token_id(5)]))
+    pending = Background(lambda: d.complete([*tokens, token_id(5)]))
     time.sleep(0.4)
     d.kill(w["a"])
     started = time.monotonic()
@@ -158,7 +156,7 @@ def test_a_worker_without_the_capability_keys_gets_no_hint(cluster):
     tokens = prefix(4)
     seed_on(d, w["b"], tokens)
     busy = keep_busy(d, tokens)
-    reply = d.complete(tokens + [token_id(6)])
+    reply = d.complete([*tokens, token_id(6)])
     busy.join()
     record = d.record_of(reply)
     assert record["worker"] == "c"  # B held the prefix and was busy: the same arrangement that hinted B
