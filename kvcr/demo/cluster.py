@@ -7,8 +7,8 @@ chat API: every conversation starts with the same system prompt and each turn ex
 previous one, so each prompt's pages are somewhere in some worker's kvcr. The router sends a turn
 where its cost model says (prefix overlap against load); when the worker it picks lacks the
 prefix that another holds, the router attaches a ``kv.fetch`` hint and the worker leases and
-reads those pages from the peer. Conversations start a little apart, so early turns find the
-system prompt already computed somewhere. The table at the end comes from the workers' own
+reads those pages from the peer. The first conversation's first turn goes alone, so the system
+prompt is computed once; the others then start a little apart. The table at the end comes from the workers' own
 reports (and the prefill tokens saved from the HTTP responses' usage); every restored page is
 checked against the bytes its prefix determines.
 """
@@ -134,8 +134,14 @@ class _Workload:
         self.replies: list[dict[str, Any]] = []
         self.errors: list[str] = []
         self._lock = threading.Lock()
+        self._first_turn_done = threading.Event()
 
     def run(self) -> None:
+        """Conversation 0 first; the others start once its first turn is answered, a little apart.
+
+        So the shared system prompt is in one worker's kvcr (and the router's index) before any
+        other conversation asks for it.
+        """
         threads = [
             threading.Thread(target=self._conversation, args=(c,), daemon=True)
             for c in range(self.options.conversation_count)
@@ -147,7 +153,9 @@ class _Workload:
 
     def _conversation(self, conversation: int) -> None:
         o = self.options
-        time.sleep(conversation * o.stagger_s)
+        if conversation:
+            self._first_turn_done.wait(120)
+            time.sleep(conversation * o.stagger_s)
         messages = [{"role": "system", "content": _system_prompt(o)}]
         for turn in range(o.turns):
             messages.append({"role": "user", "content": _user_turn(o, conversation, turn)})
@@ -158,11 +166,13 @@ class _Workload:
                 with self._lock:
                     self.errors.append(f"conversation {conversation} turn {turn}: {exc}")
                 self.on_reply()
+                self._first_turn_done.set()
                 return
             messages.append({"role": "assistant", "content": text})
             with self._lock:
                 self.replies.append(reply)
             self.on_reply()
+            self._first_turn_done.set()
 
 
 def run_cluster_demo(options: DemoOptions) -> int:

@@ -156,7 +156,8 @@ class KvcrWorker(LLMEngine):
         s = self.settings
         request_id = str(context.id())
         token_ids: Sequence[int] = request.get("token_ids") or []
-        raw_hint = request.get("kv_hint")  # type: ignore[typeddict-item]  (Dynamo passes extra keys through)
+        # Dynamo passes keys beyond GenerateRequest's through; the router puts its hint here.
+        raw_hint = request.get("kv_hint")
         kv_hints = kv_hints_from_request(request, request_id=request_id)
         if s.queue_delay_s:
             await asyncio.sleep(s.queue_delay_s)
