@@ -41,8 +41,8 @@ class DemoOptions:
     plot: str | None = None
     workdir: str | None = None
     quiet: bool = False
-    system_pages: int = 24
-    user_words: int = 40
+    system_pages: int = 8
+    user_words: int = 96
     reply_tokens: int = 16
     token_delay_ms: float = 20.0
     stagger_s: float = 0.15
