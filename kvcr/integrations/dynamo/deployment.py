@@ -112,9 +112,9 @@ class Deployment:
     python: str = sys.executable
     router_args: tuple[str, ...] = ()
     http_port: int = 0
-    workers: list[Worker] = field(default_factory=list)
-    _frontend: subprocess.Popen[bytes] | None = None
-    _logs: list[IO[bytes]] = field(default_factory=list)
+    workers: list[Worker] = field(default_factory=list, init=False)
+    _frontend: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    _logs: list[IO[bytes]] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)

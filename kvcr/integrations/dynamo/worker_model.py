@@ -271,15 +271,20 @@ class StandInModel:
             local = int(self.store.batch_exists(keys))  # no hint is current here: this rank's kvcr only
             if kv_hints is not None:
                 hints_bridge.remember(request_id, kv_hints)
-            started = time.perf_counter()
-            restored, restored_at = self._prefetch(request_id, tokens)
-            restore_s = time.perf_counter() - started if restored else 0.0
-            mismatched = sum(not self._holds(int(restored_at[i * self.page_tokens]), keys[i]) for i in range(restored))
-            computed_at = self._compute(keys[restored:])
-            backed_up = self._back_up(tokens, keys, local, restored, restored_at, computed_at)
-            for held in (restored_at, computed_at):
-                if held is not None:
-                    self.group.free(held)
+            restored_at = computed_at = None
+            try:
+                started = time.perf_counter()
+                restored, restored_at = self._prefetch(request_id, tokens)
+                restore_s = time.perf_counter() - started if restored else 0.0
+                mismatched = sum(
+                    not self._holds(int(restored_at[i * self.page_tokens]), keys[i]) for i in range(restored)
+                )
+                computed_at = self._compute(keys[restored:])
+                backed_up = self._back_up(tokens, keys, local, restored, restored_at, computed_at)
+            finally:
+                for held in (restored_at, computed_at):
+                    if held is not None:
+                        self.group.free(held)
         return Served(
             pages=pages,
             local_pages=min(local, restored),
