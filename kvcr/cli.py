@@ -1,4 +1,4 @@
-"""The ``kvcr`` command: ``demo``, ``bench`` and ``doctor``.
+"""The ``kvcr`` command: ``demo``, ``worker``, ``bench`` and ``doctor``.
 
 Every option says what it does and its default (``--help``). A mistake is one line naming the
 option to change; nothing here prints a traceback for an expected failure.
@@ -291,9 +291,39 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvcr.demo import run_demo
+    if args.local_only:
+        from kvcr.demo import run_local_demo
 
-    return run_demo(verbose=not args.quiet, peer=not args.local_only)
+        return run_local_demo(verbose=not args.quiet)
+    from kvcr.demo import DemoOptions, run_cluster_demo
+
+    for option, value, low in (
+        ("--workers", args.workers, 2),
+        ("--turns", args.turns, 1),
+        ("--page-kib", args.page_kib, 16),
+    ):
+        if value < low:
+            raise SystemExit(f"kvcr demo: {option} must be at least {low}, got {value}")
+    if args.page_kib % 16:
+        raise SystemExit(f"kvcr demo: --page-kib must be a multiple of 16, got {args.page_kib}")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise SystemExit(f"kvcr demo: --plot must name a .png file, got {args.plot!r}")
+    options = DemoOptions(
+        workers=args.workers,
+        turns=args.turns,
+        page_kib=args.page_kib,
+        conversations=args.conversations,
+        plot=args.plot,
+        workdir=args.workdir,
+        quiet=args.quiet,
+    )
+    return run_cluster_demo(options)
+
+
+def _worker(argv: Sequence[str]) -> int:
+    from kvcr.integrations.dynamo.worker import main as worker_main
+
+    return worker_main(list(argv))
 
 
 # ---------------------------------------------------------------------- parser
@@ -312,10 +342,23 @@ def build_parser() -> argparse.ArgumentParser:
         made: argparse.ArgumentParser = group.add_parser(name, help=text, description=text, formatter_class=_Help)
         return made
 
-    demo = command(commands, "demo", "back up, query and restore pages through a real runner")
-    demo.add_argument("--quiet", action="store_true", help="print only failures")
-    demo.add_argument("--local-only", action="store_true", help="skip the two-replica NIXL part")
+    demo = command(commands, "demo", "Dynamo's frontend and KV router in front of kvcr workers, a multi-turn workload")
+    demo.add_argument("--workers", type=int, default=2, help="kvcr workers behind the router (at least 2)")
+    demo.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    demo.add_argument("--conversations", type=int, default=None, help="conversations (default: 2 per worker)")
+    demo.add_argument("--page-kib", type=int, default=64, help="KV bytes per 16-token page, in KiB")
+    demo.add_argument("--plot", default=None, metavar="FILE.png", help="also plot each request's pages and latency")
+    demo.add_argument("--workdir", default=None, help="keep the processes' logs and reports here")
+    demo.add_argument("--quiet", action="store_true", help="print only failures and the final table")
+    demo.add_argument(
+        "--local-only", action="store_true", help="the single-process demo instead: one runner's local tier"
+    )
     demo.set_defaults(func=_demo)
+    commands.add_parser(
+        "worker",
+        add_help=False,
+        help="a kvcr Dynamo worker (python -m kvcr.integrations.dynamo.worker; `kvcr worker --help`)",
+    )
 
     bench = command(commands, "bench", "benchmarks (ratios against a baseline measured in the same run)")
     which = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -383,6 +426,9 @@ def _doctor_checks() -> tuple[str, ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["worker"]:
+        return _worker(argv[1:])  # its own parser: the options are the worker's
     args = build_parser().parse_args(argv)
     name = " ".join(part for part in ("kvcr", args.command, getattr(args, "bench", None)) if part)
     try:

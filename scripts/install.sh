@@ -8,6 +8,8 @@
 #   * SGLang 0.5.23 (--no-deps) + triton (--no-deps) + the deps its HiCache modules import,
 #   * ai-dynamo-runtime 1.6.1 (SelectionService / RadixTree / block hashing),
 #   * prometheus-client (kvcr's metrics) and matplotlib (benchmark figures),
+#   * ai-dynamo 1.6.1 (--no-deps: frontend, Python backend API, SGLang worker) + the deps those import,
+#   * rich and matplotlib (the demo's progress, table and plot),
 #   * test / lint tools,
 #   * the kvcr package itself (editable, --no-deps) once <repo>/pyproject.toml exists.
 #
@@ -47,7 +49,7 @@ pip_install() {
     "${PIP[@]}" install "$@" 2>&1 | sed -u \
         -e '/is ignored: it is neither a file nor a directory/d' \
         -e "/^ERROR: pip's dependency resolver does not currently take into account/d" \
-        -e '/^\(sglang\|nixl\|nixl-cu13\) [0-9.]* requires /d' >&2
+        -e '/^\(sglang\|nixl\|nixl-cu13\|ai-dynamo\) [0-9.]* requires /d' >&2
 }
 
 install_project() {
@@ -128,6 +130,14 @@ log "resolved packages"
     msgpack dependency-injector \
     xxhash prometheus-client matplotlib build \
     pytest pytest-mock pytest-timeout hypothesis ruff mypy import-linter
+
+# 3b. Dynamo's Python package, --no-deps: it requires aisimulate, whose sdist downloads a wheel from
+#     outside the package index (only Dynamo's planner imports it). Then what the frontend, the
+#     Python backend API (dynamo.common.backend) and the SGLang worker handler import, and the demo's
+#     rich and matplotlib.
+log "ai-dynamo (--no-deps) and the demo's packages"
+"${PIPC[@]}" --no-deps ai-dynamo
+"${PIPC[@]}" prometheus-client zstandard redis rich matplotlib
 
 # 4. the project itself, editable, deps already provided above.
 install_project

@@ -16,17 +16,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcr.adapters.prometheus import PrometheusMetrics, start_exporter
 from kvcr.container import build_container
-from kvcr.domain.deadlines import DeadlineBudget
-from kvcr.runner.config import RunnerConfig, namespace_for
+from kvcr.domain.keys import NamespaceSpec
+from kvcr.runner.config import RunnerConfig
 from kvcr.runner.node import NodeSettings
-from kvcr.runner.peer_client import PeerSettings, PoolRead
+from kvcr.runner.peer_client import PoolRead
 from kvcr.testing.replica import HostPool, bench_keys, bench_pool, page_pattern
 from tests.support import free_port
 
 pytestmark = [pytest.mark.nixl, pytest.mark.zmq]
 
 PAGE = 64 * 1024
-SETTINGS = PeerSettings(operation_s=5.0, abandon_s=10.0, lease_s=10.0, lease_margin_s=0.5)
+
 
 
 def scrape(url):
@@ -48,15 +48,12 @@ class Replica:
         pool = bench_pool(PAGE)
         config = RunnerConfig(
             name,
-            namespace_for("scrape", 64, "bfloat16", "page_first", (pool,)),
+            NamespaceSpec("scrape", 64, "bfloat16", "page_first"),
             (pool,),
             dram_bytes=16 * PAGE,
-            budget=DeadlineBudget(SETTINGS.operation_s, SETTINGS.abandon_s),
-            lease_s=SETTINGS.lease_s,
-            lease_margin_s=SETTINGS.lease_margin_s,
         )
         self.metrics = PrometheusMetrics(CollectorRegistry(), strict=True)
-        container = build_container(config, node=NodeSettings("127.0.0.1", free_port(), peer=SETTINGS))
+        container = build_container(config, node=NodeSettings("127.0.0.1", free_port()))
         container.metrics.override(providers.Object(self.metrics))
         self.node = container.node()
         self.host = HostPool.allocate(memory, pool, 32)

@@ -229,11 +229,3 @@ def test_the_remote_benchmark_command_runs_and_verifies_bytes(tmp_path, capsys):
     assert "raw NIXL READ" in capsys.readouterr().out
     [result] = json.loads(out.read_text())
     assert result["verified"] is True and result["pages"] == 8
-
-
-def test_the_demo_runs_both_parts(capsys):
-    from kvcr.cli import main
-
-    assert main(["demo"]) == 0
-    out = capsys.readouterr().out
-    assert "bytes equal: True" in out and "over NIXL" in out

@@ -1,4 +1,4 @@
-"""``kvcr demo``: one replica's local tier end to end, on real memory.
+"""``kvcr demo --local-only``: one replica's local tier end to end, on real memory, in one process.
 
 It hashes a prompt into SGLang page keys, backs the pages up from a host pool into kvcr DRAM,
 evicts under pressure, answers a hit query and restores the surviving prefix into other host
@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable
 
-from kvcr.adapters.local import MmapHostMemory
 from kvcr.container import build_container
 from kvcr.domain.keys import NamespaceSpec, page_hashes
 from kvcr.domain.layout import ComponentSpec, RegionDescriptor
@@ -22,7 +20,7 @@ PAGE_TOKENS = 64
 PIECE = 256 * 1024  # one K or V piece: 64 tokens x 32 layers x 8 heads x 128 dims x 2 bytes / 16
 
 
-def run_demo(verbose: bool = True, peer: bool = True) -> int:
+def run_local_demo(verbose: bool = True) -> int:
     def say(text: str) -> None:
         if verbose:
             print(text)
@@ -71,31 +69,4 @@ def run_demo(verbose: bool = True, peer: bool = True) -> int:
     finally:
         runner.close()
         memory.free(host)
-    return 0 if local_ok and (not peer or run_peer_demo(say)) else 1
-
-
-def run_peer_demo(say: Callable[[str], None], port: int | None = None) -> bool:
-    """A second replica (another process) serves its pages; this one leases and reads them over NIXL."""
-    from kvcr.bench.remote import source_replica
-    from kvcr.runner.peer_client import PoolRead
-    from kvcr.testing.ports import free_port_block
-    from kvcr.testing.replica import HostPool, bench_pool, build_node, page_pattern
-
-    page_bytes = 2 * PIECE
-    port = port or free_port_block(2)
-    with source_replica(page_bytes, port) as info:
-        say(f"replica A (another process) serves {info['stored']} pages at {info['endpoint']}")
-        node = build_node(f"demo-replica-b-{port}", port + 1, page_bytes, 4)
-        memory = MmapHostMemory()
-        host = HostPool.allocate(memory, bench_pool(page_bytes), 16)
-        try:
-            node.register_host_pool("kv", host.regions)
-            keys = info["keys"][:16]
-            result = node.client.restore(info["endpoint"], [PoolRead("kv", keys, list(range(16)))])
-            restored = sum(o.restored for o in result["kv"])
-            same = all(host.read(i) == page_pattern(k, page_bytes) for i, k in enumerate(keys))
-            say(f"replica B leased and read {restored}/16 pages over NIXL into its host pool; bytes equal: {same}")
-            return restored == 16 and same
-        finally:
-            node.close()
-            host.free()
+    return 0 if local_ok else 1
