@@ -147,6 +147,7 @@ class RunnerNode:
         left = self.runner.wait_for_leases(self.settings.close_lease_wait_s)
         if left:
             log.info("kvcr: closing with %d peer leases still live; their pages are never reused", left)
+        self.client.reap()  # reads that ended after all release their handles before the data plane closes
         self.client.close()
         self.control.close()
 

@@ -162,7 +162,7 @@ class PeerClient:
         self._links: OrderedDict[str, _Link] = OrderedDict()
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
-        self._quarantine: list[int] = []
+        self._quarantine: list[tuple[int, list[StagingBuffer]]] = []  # (handle, its staging buffers)
         self._specs = {p.name: p for p in runner.pools}
 
     def alive(self, lease: RemoteLease) -> bool:
@@ -264,6 +264,7 @@ class PeerClient:
         Pages are taken in order (each pool's leading pages first), so a failed transfer leaves
         the earlier, completed ones usable. The whole call has one operation deadline.
         """
+        self.reap()
         outcomes: dict[str, list[PageOutcome]] = {r.pool: [_STALE] * len(r.page_hashes) for r in requests}
         link = lease.link
         if link is None or lease.released:
@@ -320,6 +321,25 @@ class PeerClient:
         finally:
             self.release(lease)
 
+    def reap(self) -> int:
+        """Release quarantined reads that ended after all (their source came back); returns those left."""
+        with self._lock:
+            held = list(self._quarantine)
+        ended = []
+        for handle, buffers in held:
+            try:
+                state = self._data_plane.poll(handle)
+            except TransportError:
+                continue
+            if state.terminal:
+                self._data_plane.release(handle)
+                for buffer in buffers:
+                    self._staging.release_quarantined(buffer)
+                ended.append(handle)
+        with self._lock:
+            self._quarantine = [q for q in self._quarantine if q[0] not in ended]
+            return len(self._quarantine)
+
     def close(self) -> None:
         """Forget every link (their data-plane peers and control connections)."""
         with self._lock:
@@ -369,6 +389,10 @@ class PeerClient:
                     self._staging.give_back(buffer)
                 else:
                     self._staging.quarantine(buffer)  # late bytes land where nobody reads
+            if not settled:
+                with self._lock:
+                    handle = self._quarantine[-1][0]
+                    self._quarantine[-1] = (handle, list(buffers.values()))
             return [verdict] * len(chunk), False
         nbytes = sum(self._specs[item.pool].page_bytes for item in chunk)
         self._learn_rate(link, nbytes, self._clock.now() - started)
@@ -475,7 +499,7 @@ class PeerClient:
             self._data_plane.release(handle)  # a late DONE stays a failure
             return why, True
         with self._lock:
-            self._quarantine.append(handle)
+            self._quarantine.append((handle, []))
         self._fail(FailureReason.UNCERTAIN)
         if staged:
             log.warning("kvcr: a read from %s never stopped; its staging buffer is quarantined", lease.endpoint)

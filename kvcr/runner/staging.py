@@ -77,9 +77,16 @@ class StagingPool:
             self._free.setdefault(buffer.pool, []).append(buffer)
 
     def quarantine(self, buffer: StagingBuffer) -> None:
-        """Never reuse ``buffer``: a read into it may still be in flight."""
+        """Do not reuse ``buffer``: a read into it may still be in flight."""
         with self._lock:
             self._quarantined.append(buffer)
+
+    def release_quarantined(self, buffer: StagingBuffer) -> None:
+        """The read into ``buffer`` ended after all (its source came back): it may be reused."""
+        with self._lock:
+            if buffer in self._quarantined:
+                self._quarantined.remove(buffer)
+                self._free.setdefault(buffer.pool, []).append(buffer)
 
     def close(self) -> None:
         """Deregister and free every buffer that is not quarantined."""

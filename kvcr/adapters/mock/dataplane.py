@@ -160,6 +160,8 @@ class MockDataPlane:
     def cancel(self, handle: int) -> TransferState:
         with self._lock:
             transfer = self._transfer(handle)
+            if transfer.state is not TransferState.PENDING:
+                return transfer.state  # a cancelled (or ended) read never writes again
             self._progress(transfer)
             if transfer.state is not TransferState.PENDING:
                 return transfer.state

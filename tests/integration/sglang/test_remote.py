@@ -160,7 +160,7 @@ def test_an_unconfirmed_read_terminates_the_worker(replicas):
         b.batch_get_v1(keys, host_b.alloc(2 * sg.P), hint(port_a, keys))
     assert REASONS and "could not be confirmed stopped" in REASONS[-1]
     a.node.data_plane.set_faults(Faults())  # let the stuck read land so both sides can close
-    b.node.data_plane.poll(b.node.client._quarantine[0])
+    assert b.node.client.reap() == 0
 
 
 def test_a_frozen_source_costs_misses_not_the_worker(replicas):
@@ -179,7 +179,7 @@ def test_a_frozen_source_costs_misses_not_the_worker(replicas):
     assert len(REASONS) == before  # no fail-stop: the read landed in kvcr's staging memory
     assert b.node.staging.quarantined == 1
     a.node.data_plane.set_faults(Faults(late_writes=True))  # it resumes: the late bytes land in staging
-    b.node.data_plane.poll(b.node.client._quarantine[0])
+    assert b.node.client.reap() == 0 and b.node.staging.quarantined == 0
     assert not sg.pages_equal(host_a, src, host_b, dst)  # never in SGLang's host pages
 
 
