@@ -10,6 +10,7 @@ that are adjacent on both sides.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -130,19 +131,22 @@ def slot_runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
     previous run when it continues it on both sides. Every component of a pool shares its slot
     numbering, so one call serves all of a pool's components.
     """
+    ordered = sorted(pairs, key=_by_destination)
+    if not ordered:
+        return []
+    first_src, first_dst = ordered[0]
+    if all(src == first_src + k and dst == first_dst + k for k, (src, dst) in enumerate(ordered)):
+        return [(first_src, first_dst, len(ordered))]  # the common case: one run on both sides
     runs: list[tuple[int, int, int]] = []
-    run_src = run_dst = run_len = 0
-    for src, dst in sorted(pairs, key=_by_destination):
-        if run_len and src == run_src + run_len and dst == run_dst + run_len:
+    run_src, run_dst, run_len = first_src, first_dst, 0
+    for src, dst in ordered:
+        if src == run_src + run_len and dst == run_dst + run_len:
             run_len += 1
             continue
-        if run_len:
-            runs.append((run_src, run_dst, run_len))
-        run_src, run_dst, run_len = src, dst, 1
-    if run_len:
         runs.append((run_src, run_dst, run_len))
+        run_src, run_dst, run_len = src, dst, 1
+    runs.append((run_src, run_dst, run_len))
     return runs
 
 
-def _by_destination(pair: tuple[int, int]) -> int:
-    return pair[1]
+_by_destination = operator.itemgetter(1)

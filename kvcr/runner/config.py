@@ -33,7 +33,7 @@ class RunnerConfig:
     pool_dram_bytes: Mapping[str, int] = field(default_factory=dict)
     policy: str = "lru"
     timing: Timing = field(default_factory=Timing)
-    verify_bytes: bool = True
+    verify_bytes: bool = False
     max_leased_fraction: float = 0.5
     max_alignment_depth: int = 4096
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from kvcr.domain.errors import ClosedError, ConfigError, DeadlineExceeded, KvcrError, LayoutError
 from kvcr.domain.eviction import POLICIES, EvictionPolicy
-from kvcr.domain.keys import check_page_hash
+from kvcr.domain.keys import check_page_hash, check_page_hashes
 from kvcr.domain.layout import RegionDescriptor, check_disjoint, slot_runs
 from kvcr.domain.outcomes import RESTORED, PageOutcome, failed, miss
 from kvcr.domain.pools import PoolSpec
@@ -56,9 +56,9 @@ class _Entry:
 
     __slots__ = ("claims", "digest", "leased", "parent", "slot", "state")
 
-    def __init__(self, slot: int, state: SlotState, parent: str | None) -> None:
+    def __init__(self, slot: int, parent: str | None) -> None:
         self.slot = slot
-        self.state = state
+        self.state = _FILLING  # a new entry is being filled: invisible to readers, never evicted
         self.claims = 0
         self.leased = 0  # the claims that are peers' leases
         self.parent = parent
@@ -316,17 +316,22 @@ class KvcrRunner:
             entries = state.entries
             needed: list[int] = []
             held: list[str] = []
-            pending: set[str] = set()
-            for i, page in enumerate(page_hashes):
-                entry = entries.get(page)
-                if entry is not None:
-                    results[i] = True  # READY, or FILLING by a caller storing the same bytes
-                    if entry.state is _READY:
-                        held.append(page)
-                elif page not in pending:
-                    check_page_hash(page)  # keys already in the index were checked on the way in
-                    pending.add(page)
-                    needed.append(i)
+            known = [entries.get(page) for page in page_hashes]
+            if not any(known) and len(set(page_hashes)) == len(page_hashes):
+                check_page_hashes(page_hashes)  # the common batch: all new, no repeats
+                needed = list(range(len(page_hashes)))
+            else:
+                pending: set[str] = set()
+                for i, page in enumerate(page_hashes):
+                    entry = known[i]
+                    if entry is not None:
+                        results[i] = True  # READY, or FILLING by a caller storing the same bytes
+                        if entry.state is _READY:
+                            held.append(page)
+                    elif page not in pending:
+                        check_page_hash(page)  # keys already in the index were checked on the way in
+                        pending.add(page)
+                        needed.append(i)
             # Refresh the prefix this batch extends before choosing victims, so a deeper batch
             # never evicts the ancestors that make it restorable.
             lineage = self._ancestors(state, parent)
@@ -335,7 +340,7 @@ class KvcrRunner:
             slots = self._reserve(state, len(needed), protect=[*lineage, *page_hashes]) if needed else []
             for i, slot in zip(needed, slots, strict=False):
                 page = page_hashes[i]
-                entry = _Entry(slot, _FILLING, page_hashes[i - 1] if i else parent)
+                entry = _Entry(slot, page_hashes[i - 1] if i else parent)
                 entries[page] = entry
                 fills.append((i, page, entry))
             self._inflight += 1
@@ -449,18 +454,24 @@ class KvcrRunner:
         with self._locked(deadline):
             self._check_open()
             entries = state.entries
-            hits: list[str] = []
-            for i, page in enumerate(page_hashes):
-                entry = entries.get(page)
-                if entry is None or entry.state is not _READY:
-                    if entry is None:
-                        check_page_hash(page)
-                    if prefix_only:
-                        break
-                    continue
+            known = [entries.get(page) for page in page_hashes]
+            hits: Sequence[str]
+            if all(entry is not None and entry.state is _READY for entry in known):
+                claimed = list(enumerate(known))  # type: ignore[arg-type]  # the common batch: all held
+                hits = page_hashes
+            else:
+                hits = []
+                for i, entry in enumerate(known):
+                    if entry is None or entry.state is not _READY:
+                        if entry is None:
+                            check_page_hash(page_hashes[i])
+                        if prefix_only:
+                            break
+                        continue
+                    claimed.append((i, entry))
+                    hits.append(page_hashes[i])
+            for _, entry in claimed:
                 entry.claims += 1
-                claimed.append((i, entry))
-                hits.append(page)
             if hits:
                 state.policy.touch(self._aligned(state, hits))
             self._inflight += 1
@@ -881,7 +892,7 @@ class KvcrRunner:
                 self._free_slot(state, entry)
                 continue
             if copied:
-                entry.state = check_transition(entry.state, _READY)
+                entry.state = _READY  # FILLING -> READY: only this call fills it
                 results[i] = True
                 stored.append((i, page))
             else:
@@ -889,12 +900,15 @@ class KvcrRunner:
                     del entries[page]
                 self._free_slot(state, entry)
         pool = state.spec.name
-        ready = []
-        for i, page in enumerate(page_hashes):
-            held = entries.get(page)
-            if held is not None and held.state is _READY:
-                ready.append(page)
-                results[i] = True  # also a page listed twice in one batch
+        if len(stored) == len(page_hashes):
+            ready = list(page_hashes)  # the common batch: every page is new and now READY
+        else:
+            ready = []
+            for i, page in enumerate(page_hashes):
+                held = entries.get(page)
+                if held is not None and held.state is _READY:
+                    ready.append(page)
+                    results[i] = True  # also a page listed twice in one batch
         if ready:
             # admit, not touch: FIFO ignores touches, so pages it was never told about would
             # never become victims and a full arena would refuse every later backup.

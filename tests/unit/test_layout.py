@@ -63,3 +63,8 @@ def test_slot_runs_join_pairs_adjacent_on_both_sides_in_destination_order():
 
 def test_slot_runs_do_not_join_pairs_adjacent_on_one_side_only():
     assert slot_runs([(1, 0), (5, 1), (6, 3)]) == [(1, 0, 1), (5, 1, 1), (6, 3, 1)]
+
+
+def test_slot_runs_never_merge_a_repeated_slot():
+    assert slot_runs([(0, 0), (0, 0), (2, 2)]) == [(0, 0, 1), (0, 0, 1), (2, 2, 1)]
+    assert slot_runs([(5, 0), (6, 1), (7, 2)]) == [(5, 0, 3)]

@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING
 from kvcr.ports.metric_catalogue import Kind, MetricError, MetricName, check, series
 
 
+_MAX_CHECKED = 4096
+
+
 class InMemoryMetrics:
     """Counters and gauges as floats; histograms keep count and sum.
 
@@ -26,6 +29,9 @@ class InMemoryMetrics:
         self._values: dict[str, float] = {}
         self._lock = threading.Lock()
         self._strict = strict
+        # Series already checked against the catalogue (the hot path emits the same few): bounded
+        # by the closed label sets, capped anyway.
+        self._checked: dict[tuple[object, ...], str] = {}
 
     def increment(self, name: str, value: float = 1.0, labels: Mapping[str, str] | None = None) -> None:
         key = self._key(name, Kind.COUNTER, labels)
@@ -54,12 +60,19 @@ class InMemoryMetrics:
             return dict(self._values)
 
     def _key(self, name: str, kind: Kind, labels: Mapping[str, str] | None) -> str | None:
+        memo = (name, kind, *labels.items()) if labels else (name, kind)
+        key = self._checked.get(memo)
+        if key is not None:
+            return key
         try:
             spec, given = check(name, kind, labels)
         except MetricError as exc:
             self._refuse(exc)
             return None
-        return series(spec.name.value, given)
+        key = series(spec.name.value, given)
+        if len(self._checked) < _MAX_CHECKED:
+            self._checked[memo] = key
+        return key
 
     def _refuse(self, exc: MetricError) -> None:
         if self._strict:

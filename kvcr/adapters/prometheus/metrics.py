@@ -32,6 +32,7 @@ from kvcr.ports.metric_catalogue import (
 log = logging.getLogger(__name__)
 
 _PREFILL_LIMIT = 16
+_MAX_CHILDREN = 4096
 _LOGGED_LIMIT = 32  # distinct drop messages logged per adapter; later ones are only counted
 
 
@@ -52,6 +53,7 @@ class PrometheusMetrics:
         self._strict = strict
         self._families: dict[str, tuple[MetricSpec, Any]] = {}
         self._logged: set[str] = set()
+        self._children: dict[tuple[object, ...], Any] = {}  # series already checked, the hot path's few
         self._lock = threading.Lock()
         for spec in SPECS:
             common: dict[str, Any] = {
@@ -93,13 +95,19 @@ class PrometheusMetrics:
         return values
 
     def _emit(self, kind: Kind, name: str, labels: Mapping[str, str] | None, act: Callable[[Any], None]) -> None:
-        try:
-            spec, given = check(name, kind, labels)
-        except MetricError as exc:
-            self._refuse(exc)
-            return
-        family = self._families[spec.name.value][1]
-        act(family.labels(**given) if given else family)
+        memo = (name, kind, *labels.items()) if labels else (name, kind)
+        child = self._children.get(memo)
+        if child is None:
+            try:
+                spec, given = check(name, kind, labels)
+            except MetricError as exc:
+                self._refuse(exc)
+                return
+            family = self._families[spec.name.value][1]
+            child = family.labels(**given) if given else family
+            if len(self._children) < _MAX_CHILDREN:  # bounded by the closed label sets; capped anyway
+                self._children[memo] = child
+        act(child)
 
     def _refuse(self, exc: MetricError) -> None:
         if self._strict:
