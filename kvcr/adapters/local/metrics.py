@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from kvcr.ports.metric_catalogue import Kind, MetricError, MetricName, check, series
 
-
 _MAX_CHECKED = 4096
 
 

@@ -37,9 +37,9 @@ from typing import Any
 
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.keys import page_hashes
-from kvcr.integrations.shared.page_tokens import default_registry
 from kvcr.integrations.dynamo.worker_settings import WorkerSettings
 from kvcr.integrations.shared import hints_bridge
+from kvcr.integrations.shared.page_tokens import default_registry
 
 log = logging.getLogger(__name__)
 
