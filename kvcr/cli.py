@@ -28,7 +28,8 @@ def _bench_local(args: argparse.Namespace) -> int:
 
 
 def _bench_sglang(args: argparse.Namespace) -> int:
-    from kvcr.bench.sglang import LAYER_BYTES, as_dict, run_sglang, run_sglang_remote, sglang_remote_table, sglang_table
+    from kvcr.bench.sglang import as_dict, run_sglang, run_sglang_remote, sglang_remote_table, sglang_table
+    from kvcr.testing.sglang import LAYER_BYTES
 
     sizes = _sizes(args.page_sizes)
     for size in sizes:

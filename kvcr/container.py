@@ -6,22 +6,27 @@ Build a runner (local tier only) or a node (runner + peer server and client) wit
     runner = container.runner()
     node = container.node()
 
-The runner's inventory port is a name (``"none"``, ``"recording"``) or, to publish KV events, a
-factory that wraps the container's KV-event publisher (a ZMQ PUB) in a sink; an integration
-passes its translating sink this way without knowing the socket adapter::
+Typed inputs are ``providers.Dependency(instance_of=...)``: a wrong type fails where it is passed
+in, so nothing downstream re-checks it. Adapter choices (memory, clock, transport, control,
+inventory) are names picked by ``providers.Selector`` over the string configuration. The
+runner's inventory port is a name (``"none"``, ``"recording"``) or, to publish KV events, a
+factory that wraps the container's KV-event publisher (a ZMQ PUB) in a sink::
 
     container = build_container(config, kv_events=KvEventsSettings("tcp://127.0.0.1:5557"),
                                 inventory=lambda publisher: SomeSink(publisher, ...))
 
 Tests swap an adapter with ``container.memory.override(...)``. Adapter modules are imported by
-the build functions below, only when their provider is first used.
+the build functions below, only when their provider is first used. The ``mock`` transport
+shares one in-process fabric per process (so two SGLang backends in one test process can reach
+each other); ``container.fabric.override(MockFabric())`` isolates a test.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dependency_injector import containers, providers
 
@@ -37,6 +42,21 @@ if TYPE_CHECKING:
     from kvcr.ports.inventory import InventorySink, KvEventPublisher
     from kvcr.ports.memory import HostMemory
     from kvcr.ports.metrics import Metrics
+
+TRANSPORTS = ("nixl", "mock")
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsSettings:
+    """Where the KV-event publisher binds, its topic, and the DP rank its batches carry."""
+
+    endpoint: str
+    topic: str = "kv-events"
+    dp_rank: int | None = 0
+
+
+InventoryFactory = Callable[["KvEventPublisher"], "InventorySink"]
+"""Builds the runner's inventory sink around the container's KV-event publisher."""
 
 
 def _mmap_memory() -> HostMemory:
@@ -81,22 +101,7 @@ def _recording_inventory() -> InventorySink:
     return RecordingInventory()
 
 
-@dataclass(frozen=True, slots=True)
-class KvEventsSettings:
-    """Where the KV-event publisher binds, its topic, and the DP rank its batches carry."""
-
-    endpoint: str
-    topic: str = "kv-events"
-    dp_rank: int | None = 0
-
-
-InventoryFactory = Callable[["KvEventPublisher"], "InventorySink"]
-"""Builds the runner's inventory sink around the container's KV-event publisher."""
-
-
 def _zmq_event_publisher(settings: KvEventsSettings) -> KvEventPublisher:
-    if not isinstance(settings, KvEventsSettings):
-        raise TypeError(f"config.kv_events must be a KvEventsSettings, got {type(settings).__name__}")
     from kvcr.adapters.zmq import ZmqEventPublisher
 
     return ZmqEventPublisher(settings.endpoint, settings.topic, settings.dp_rank)
@@ -106,10 +111,18 @@ def _event_inventory(factory: InventoryFactory, publisher: KvEventPublisher) -> 
     return factory(publisher)
 
 
-def _mock_fabric() -> MockFabric:
+_FABRIC_LOCK = threading.Lock()
+_FABRIC: list[MockFabric] = []
+
+
+def _shared_fabric() -> MockFabric:
+    """One in-process fabric per process for the ``mock`` transport."""
     from kvcr.adapters.mock import MockFabric
 
-    return MockFabric()
+    with _FABRIC_LOCK:
+        if not _FABRIC:
+            _FABRIC.append(MockFabric())
+        return _FABRIC[0]
 
 
 def _mock_data_plane(fabric: MockFabric, config: RunnerConfig, clock: Clock) -> DataPlane:
@@ -133,36 +146,19 @@ def _mock_control(fabric: MockFabric, settings: NodeSettings, clock: Clock) -> C
 def _zmq_control(settings: NodeSettings) -> ControlChannel:
     from kvcr.adapters.zmq import ZmqControlChannel
 
-    return ZmqControlChannel(settings.control_host, settings.control_port, advertise_host=settings.advertise_host)
-
-
-def _node(
-    runner: KvcrRunner,
-    data_plane: DataPlane,
-    control: ControlChannel,
-    settings: NodeSettings,
-    clock: Clock,
-    metrics: Metrics,
-) -> RunnerNode:
-    if not isinstance(settings, NodeSettings):
-        raise TypeError(f"config.node must be a NodeSettings, got {type(settings).__name__}")
-    return RunnerNode(
-        runner, data_plane, control, token=settings.token, clock=clock, metrics=metrics, settings=settings.peer
+    return ZmqControlChannel(
+        settings.control_host, settings.control_port, advertise_host=settings.advertise_host, token=settings.token
     )
 
 
-def _runner(
-    config: RunnerConfig, memory: HostMemory, clock: Clock, metrics: Metrics, inventory: InventorySink
-) -> KvcrRunner:
-    if not isinstance(config, RunnerConfig):
-        raise TypeError(f"config.runner must be a RunnerConfig, got {type(config).__name__}")
-    return KvcrRunner(config, memory=memory, clock=clock, metrics=metrics, inventory=inventory)
-
-
 class Container(containers.DeclarativeContainer):
-    """Providers for one runner; ``config`` is strict: a missing key is an error, not None."""
+    """Providers for one runner; ``config`` holds adapter names and is strict (a missing name is an error)."""
 
     config = providers.Configuration(strict=True)
+    runner_config = providers.Dependency(instance_of=RunnerConfig)
+    node_settings = providers.Dependency(instance_of=NodeSettings)
+    kv_events = providers.Dependency(instance_of=KvEventsSettings)
+    inventory_factory: providers.Dependency[Any] = providers.Dependency()
 
     memory = providers.Selector(
         config.memory,
@@ -175,40 +171,41 @@ class Container(containers.DeclarativeContainer):
         fake=providers.Singleton(_fake_clock),
     )
     metrics = providers.Singleton(_metrics)
-    kv_event_publisher = providers.Singleton(_zmq_event_publisher, config.kv_events)
+    kv_event_publisher = providers.Singleton(_zmq_event_publisher, kv_events)
     inventory = providers.Selector(
         config.inventory,
         none=providers.Singleton(_null_inventory),
         recording=providers.Singleton(_recording_inventory),
-        kv_events=providers.Singleton(_event_inventory, config.inventory_factory, kv_event_publisher),
+        kv_events=providers.Singleton(_event_inventory, inventory_factory, kv_event_publisher),
     )
     runner = providers.Singleton(
-        _runner,
-        config=config.runner,
+        KvcrRunner,
+        runner_config,
         memory=memory,
         clock=clock,
         metrics=metrics,
         inventory=inventory,
     )
-    fabric = providers.Singleton(_mock_fabric)
+    fabric = providers.Singleton(_shared_fabric)
     data_plane = providers.Selector(
         config.transport,
-        mock=providers.Singleton(_mock_data_plane, fabric, config.runner, clock),
-        nixl=providers.Singleton(_nixl_data_plane, config.runner),
+        mock=providers.Singleton(_mock_data_plane, fabric, runner_config, clock),
+        nixl=providers.Singleton(_nixl_data_plane, runner_config),
     )
     control = providers.Selector(
         config.control,
-        mock=providers.Singleton(_mock_control, fabric, config.node, clock),
-        zmq=providers.Singleton(_zmq_control, config.node),
+        mock=providers.Singleton(_mock_control, fabric, node_settings, clock),
+        zmq=providers.Singleton(_zmq_control, node_settings),
     )
     node = providers.Singleton(
-        _node,
-        runner=runner,
-        data_plane=data_plane,
-        control=control,
-        settings=config.node,
+        RunnerNode,
+        runner,
+        data_plane,
+        control,
+        memory=memory,
         clock=clock,
         metrics=metrics,
+        settings=node_settings,
     )
 
 
@@ -230,17 +227,18 @@ def build_container(
     needs ``kv_events``.
     """
     container = Container()
-    values: dict[str, object] = {**DEFAULTS, **choices, "runner": runner_config}
+    names: dict[str, object] = {**DEFAULTS, **choices}
+    container.runner_config.override(runner_config)
     if callable(inventory):
         if kv_events is None:
             raise TypeError("an inventory factory publishes KV events: kv_events settings are required")
-        values["inventory"] = "kv_events"
-        values["inventory_factory"] = inventory
+        names["inventory"] = "kv_events"
+        container.inventory_factory.override(providers.Object(inventory))
     elif inventory is not None:
-        values["inventory"] = inventory
+        names["inventory"] = inventory
     if kv_events is not None:
-        values["kv_events"] = kv_events
+        container.kv_events.override(kv_events)
     if node is not None:
-        values["node"] = node
-    container.config.from_dict(values)
+        container.node_settings.override(node)
+    container.config.from_dict(names)
     return container

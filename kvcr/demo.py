@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 from kvcr.adapters.local import MmapHostMemory
 from kvcr.container import build_container
-from kvcr.domain.keys import page_hashes
+from kvcr.domain.keys import NamespaceSpec, page_hashes
 from kvcr.domain.layout import ComponentSpec, RegionDescriptor
 from kvcr.domain.pools import PoolSpec
-from kvcr.runner import RunnerConfig, namespace_for
+from kvcr.runner import RunnerConfig
 
 PAGE_TOKENS = 64
 PIECE = 256 * 1024  # one K or V piece: 64 tokens x 32 layers x 8 heads x 128 dims x 2 bytes / 16
@@ -30,7 +30,7 @@ def run_demo(verbose: bool = True, peer: bool = True) -> int:
     pool = PoolSpec("kv", (ComponentSpec("k", PIECE), ComponentSpec("v", PIECE)), anchor=True)
     config = RunnerConfig(
         "demo",
-        namespace_for("demo-llama", PAGE_TOKENS, "bfloat16", "page_first", (pool,)),
+        NamespaceSpec("demo-llama", PAGE_TOKENS, "bfloat16", "page_first"),
         (pool,),
         dram_bytes=24 * pool.page_bytes,
     )
@@ -76,9 +76,10 @@ def run_demo(verbose: bool = True, peer: bool = True) -> int:
 
 def run_peer_demo(say: Callable[[str], None], port: int | None = None) -> bool:
     """A second replica (another process) serves its pages; this one leases and reads them over NIXL."""
-    from kvcr.bench.peer import HostPool, bench_pool, build_node, free_port_block, page_pattern
     from kvcr.bench.remote import source_replica
     from kvcr.runner.peer_client import PoolRead
+    from kvcr.testing.ports import free_port_block
+    from kvcr.testing.replica import HostPool, bench_pool, build_node, page_pattern
 
     page_bytes = 2 * PIECE
     port = port or free_port_block(2)

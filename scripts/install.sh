@@ -126,7 +126,7 @@ log "resolved packages"
     tqdm IPython aiohttp transformers dill apache-tvm-ffi sentencepiece compressed-tensors gguf \
     setproctitle openai partial-json-parser einops uvicorn fastapi \
     ai-dynamo-runtime setuptools \
-    msgpack dependency-injector \
+    msgpack dependency-injector xxhash \
     pytest pytest-mock pytest-timeout hypothesis ruff mypy import-linter
 
 # 4. the project itself, editable, deps already provided above.

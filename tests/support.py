@@ -8,7 +8,8 @@ import hashlib
 from kvcr.domain.keys import page_hashes
 from kvcr.domain.layout import ComponentSpec, RegionDescriptor
 from kvcr.domain.pools import HitPolicy, PoolSpec
-from kvcr.runner import KvcrRunner, RunnerConfig, namespace_for
+from kvcr.domain.keys import NamespaceSpec
+from kvcr.runner import KvcrRunner, RunnerConfig
 
 
 class HostPool:
@@ -66,7 +67,7 @@ def mamba_pool(piece: int = 64) -> PoolSpec:
 
 def runner_config(pools: tuple[PoolSpec, ...], slots: int, *, name: str = "r0", **changes: object) -> RunnerConfig:
     dram = slots * sum(p.page_bytes for p in pools if p.physical)
-    return RunnerConfig(name, namespace_for("test-model", 4, "bf16", "page_first", pools), pools, dram, **changes)
+    return RunnerConfig(name, NamespaceSpec("test-model", 4, "bf16", "page_first"), pools, dram, **changes)
 
 
 def make_runner(pools, slots, memory, clock, metrics, inventory, **changes) -> KvcrRunner:
@@ -77,53 +78,70 @@ def make_runner(pools, slots, memory, clock, metrics, inventory, **changes) -> K
 
 def free_port(count: int = 1) -> int:
     """The first of ``count`` consecutive free loopback ports (never fixed ports: see free_port_block)."""
-    from kvcr.bench.peer import free_port_block
+    from kvcr.testing.ports import free_port_block
 
     return free_port_block(count)
 
 
 class Cluster:
-    """Runner nodes on one mock fabric (bytes really move); ``control`` builds each node's channel.
+    """Runner nodes on one mock fabric (bytes really move), built through the composition root.
 
-    The default channel is the mock one on the fabric; pass a factory to put real sockets there.
+    ``control`` is the control adapter every node gets: ``"mock"`` (in-process) or ``"zmq"``
+    (real sockets on loopback).
     """
 
-    def __init__(self, clock=None, control=None):
-        from kvcr.adapters.mock import FakeClock, MockControlChannel, MockFabric
+    def __init__(self, clock=None, control="mock"):
+        from kvcr.adapters.mock import FakeClock, MockFabric
 
         self.fabric = MockFabric()
         self.clock = clock or FakeClock()
-        self.control = control or (lambda fabric, clk, port: MockControlChannel(fabric, f"tcp://127.0.0.1:{port}", clk))
+        self.control = control
         self.nodes = []
 
-    def node(self, name, port=None, *, pools=None, slots=16, token=None, faults=None, model="m", settings):
-        from kvcr.adapters.local import InMemoryMetrics, RecordingInventory
-        from kvcr.adapters.mock import MockDataPlane, MockHostMemory
-        from kvcr.runner.node import RunnerNode
+    def node(
+        self,
+        name,
+        port=None,
+        *,
+        pools=None,
+        slots=16,
+        token=None,
+        faults=None,
+        model="m",
+        timing=None,
+        peer=None,
+        verify_bytes=True,
+        host_pages=64,
+    ):
+        from kvcr.adapters.mock import MockDataPlane
+        from kvcr.container import build_container
+        from kvcr.domain.deadlines import Timing
+        from kvcr.runner.node import NodeSettings
+        from kvcr.runner.peer_client import PeerSettings
 
         pools = tuple(pools or (kv_pool(),))
         config = RunnerConfig(
             name,
-            namespace_for(model, 4, "bf16", "page_first", pools),
+            NamespaceSpec(model, 4, "bf16", "page_first"),
             pools,
             dram_bytes=slots * sum(p.page_bytes for p in pools),
-            lease_s=settings.lease_s,
-            lease_margin_s=settings.lease_margin_s,
+            timing=timing or Timing(),
+            verify_bytes=verify_bytes,
         )
-        metrics = InMemoryMetrics()
-        runner = KvcrRunner(
-            config, memory=MockHostMemory(), clock=self.clock, metrics=metrics, inventory=RecordingInventory()
+        settings = NodeSettings(
+            "127.0.0.1", port or free_port(), token=token, peer=peer or PeerSettings(), close_lease_wait_s=0.2
         )
-        node = RunnerNode(
-            runner,
-            MockDataPlane(self.fabric, name, self.clock, faults),
-            self.control(self.fabric, self.clock, port or free_port()),
-            token=token,
-            clock=self.clock,
-            metrics=metrics,
-            settings=settings,
+        container = build_container(
+            config, node=settings, transport="mock", control=self.control, memory="mock", inventory="recording"
         )
-        node.hosts = {p.name: HostPool(p, 64) for p in pools}
+        container.fabric.override(self.fabric)
+        container.clock.override(self.clock)
+        if faults is not None:
+            container.data_plane.override(MockDataPlane(self.fabric, name, self.clock, faults))
+        node = container.node()
+        node.container = container
+        node.metrics = container.metrics()
+        node.hosts = {p.name: HostPool(p, host_pages) for p in pools}
         for pool, host in node.hosts.items():
             node.register_host_pool(pool, host.regions)
         self.nodes.append(node)

@@ -22,12 +22,12 @@ from dataclasses import asdict, dataclass
 
 from kvcr.adapters.local import InMemoryMetrics, MmapHostMemory, MonotonicClock, NullInventory
 from kvcr.bench.stats import markdown_table, timing
-from kvcr.domain.keys import page_hashes
+from kvcr.domain.keys import NamespaceSpec, page_hashes
 from kvcr.domain.layout import ComponentSpec, RegionDescriptor
 from kvcr.domain.pools import PoolSpec
 from kvcr.domain.units import format_byte_size
 from kvcr.ports.memory import Move
-from kvcr.runner import KvcrRunner, RunnerConfig, namespace_for
+from kvcr.runner import KvcrRunner, RunnerConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
     half = page_bytes // 2
     pool = PoolSpec("kv", (ComponentSpec("k", half), ComponentSpec("v", page_bytes - half)), anchor=True)
     config = RunnerConfig(
-        "bench", namespace_for("bench", 64, "bf16", "page_first", (pool,)), (pool,), dram_bytes=pages * page_bytes
+        "bench", NamespaceSpec("bench", 64, "bf16", "page_first"), (pool,), dram_bytes=pages * page_bytes
     )
     memory = MmapHostMemory()
     runner = KvcrRunner(

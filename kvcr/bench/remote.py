@@ -1,6 +1,6 @@
 """Remote restore benchmark: kvcr's peer path vs a raw NIXL READ of the same pieces vs memcpy.
 
-For each page size a source replica runs in another process (``kvcr.bench.peer``: a runner node
+For each page size a source replica runs in another process (``kvcr.testing.replica``: a runner node
 over NIXL + ZMQ holding 128 known pages). This process is the target: a runner node with a host
 pool. Per page size and batch (pages 0..batch-1), interleaved repetition by repetition:
 
@@ -30,11 +30,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvcr.adapters.local import MmapHostMemory
-from kvcr.bench.peer import HostPool, bench_pool, build_node, free_port_block, page_pattern
 from kvcr.bench.stats import Timing, markdown_table, timing
+from kvcr.domain import deadlines
 from kvcr.domain.layout import RegionDescriptor
 from kvcr.domain.units import format_byte_size
-from kvcr.runner.peer_client import PeerSettings, PoolRead
+from kvcr.runner.peer_client import PoolRead
+from kvcr.testing.ports import free_port_block
+from kvcr.testing.replica import HostPool, bench_pool, build_node, page_pattern
 
 SOURCE_PAGES = 128
 
@@ -84,11 +86,11 @@ def source_replica_process(module_args: list[str]) -> Iterator[dict[str, Any]]:
 
 
 def source_replica(page_bytes: int, port: int) -> contextlib.AbstractContextManager[dict[str, Any]]:
-    """A ``kvcr.bench.peer`` replica holding SOURCE_PAGES known pages of ``page_bytes``."""
+    """A ``kvcr.testing.replica`` replica holding SOURCE_PAGES known pages of ``page_bytes``."""
     return source_replica_process(
         [
             "-m",
-            "kvcr.bench.peer",
+            "kvcr.testing.replica",
             "--port",
             str(port),
             "--pages",
@@ -103,15 +105,18 @@ def source_replica(page_bytes: int, port: int) -> contextlib.AbstractContextMana
     )
 
 
-def data_plane_description(endpoint: str, namespace: str, port: int) -> bytes:
+def data_plane_description(endpoint: str, namespaces: dict[str, str], port: int) -> bytes:
     """Ask a source for its data-plane description with a plain HELLO (for the raw baseline)."""
+    import secrets
+
     from kvcr.adapters.zmq import ZmqControlChannel
-    from kvcr.runner.protocol import Codec, Hello, HelloReply
+    from kvcr.runner import protocol
+    from kvcr.runner.protocol import Hello, HelloReply
 
     probe = ZmqControlChannel("127.0.0.1", port)
     try:
-        codec = Codec(None)
-        reply = codec.decode_reply(probe.request(endpoint, codec.encode(Hello(namespace, "raw")), 10))
+        hello = Hello(secrets.token_bytes(16), "raw", "raw", namespaces)
+        reply = protocol.decode(probe.request(endpoint, protocol.encode(hello), 10))
     finally:
         probe.close()
     if not isinstance(reply, HelloReply):
@@ -180,10 +185,10 @@ def run_remote(page_bytes: int, batches: list[int], reps: int, port: int | None 
     """Measure every batch for one page size; ``port`` starts a block of 3 (free ones by default)."""
     port = port or free_port_block(3)
     pool = bench_pool(page_bytes)
-    settings = PeerSettings(operation_s=30.0, abandon_s=60.0, lease_s=60.0, lease_margin_s=1.0)
+    runner_timing = deadlines.Timing(operation_s=30.0, abandon_s=60.0, lease_s=60.0, lease_margin_s=1.0)
     results = []
     with source_replica(page_bytes, port) as info:
-        node = build_node(f"bench-target-{os.getpid()}-{port}", port + 1, page_bytes, 4, settings=settings)
+        node = build_node(f"bench-target-{os.getpid()}-{port}", port + 1, page_bytes, 4, timing=runner_timing)
         memory = MmapHostMemory()
         host = HostPool.allocate(memory, pool, SOURCE_PAGES)
         scratch = memory.allocate(SOURCE_PAGES * page_bytes, "bench/memcpy")
@@ -191,10 +196,10 @@ def run_remote(page_bytes: int, batches: list[int], reps: int, port: int | None 
         keys: list[str] = info["keys"]
         endpoint: str = info["endpoint"]
         try:
-            lease = node.client.lease(endpoint, [("kv", k) for k in keys])
+            lease = node.client.lease(endpoint, [("kv", keys)])
             if lease is None or len(lease.slots) != len(keys) or lease.link is None:
                 raise RuntimeError("could not lease the source's pages")
-            description = data_plane_description(endpoint, info["namespace"], port + 2)
+            description = data_plane_description(endpoint, dict(node.runner.namespaces), port + 2)
             raw = RawReader(
                 f"bench-raw-{os.getpid()}-{port}",
                 description,

@@ -46,8 +46,3 @@ def intersect(boundary_sets: Iterable[frozenset[int]]) -> frozenset[int]:
     for boundaries in boundary_sets:
         result = boundaries if result is None else result & boundaries
     return (result if result is not None else frozenset()) | {0}
-
-
-def restorable_prefix(boundary_sets: Iterable[frozenset[int]]) -> int:
-    """The longest prefix legal for every pool and rank."""
-    return max(intersect(boundary_sets))

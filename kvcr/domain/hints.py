@@ -19,6 +19,7 @@ Either may arrive as a dict, a JSON string or JSON bytes.
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 import json
 import re
@@ -94,20 +95,39 @@ class FetchHint:
         return router_id in self.block_hashes
 
 
+class Rejection(str, enum.Enum):
+    """Why a hint was not used: a closed set, safe as a metric label (the reason text is not)."""
+
+    NO_HINT = "no_hint"
+    NOT_JSON = "not_json"
+    NOT_OBJECT = "not_object"
+    UNREADABLE = "unreadable"
+    NOT_ENVELOPE = "not_envelope"
+    PROTOCOL_VERSION = "protocol_version"
+    ACTION_VERSION = "action_version"
+    NO_FETCH_ACTION = "no_fetch_action"
+    BAD_PAYLOAD = "bad_payload"
+    BAD_ENDPOINT = "bad_endpoint"
+    BAD_HASHES = "bad_hashes"
+    UNSUPPORTED_MODE = "unsupported_mode"
+    NOT_ALLOWED = "source_not_allowed"
+
+
 @dataclass(frozen=True, slots=True)
 class HintParse:
-    """The result of reading a hint: a FetchHint, or None and the reason it was not usable."""
+    """A parsed hint, or why there is none (``reason`` for logs, ``code`` for counters)."""
 
     hint: FetchHint | None
     reason: str | None = None
+    code: Rejection | None = None
 
     @property
     def usable(self) -> bool:
         return self.hint is not None
 
 
-def _refuse(reason: str) -> HintParse:
-    return HintParse(None, reason)
+def _refuse(code: Rejection, reason: str) -> HintParse:
+    return HintParse(None, reason, code)
 
 
 def _major(version: object) -> str | None:
@@ -134,23 +154,23 @@ def _read_hashes(raw: object) -> frozenset[int] | str:
 
 def _read_payload(payload: object, *, require_scheme: bool, message_id: str | None) -> HintParse:
     if not isinstance(payload, Mapping):
-        return _refuse("payload must be an object")
+        return _refuse(Rejection.BAD_PAYLOAD, "payload must be an object")
     endpoint_text = payload.get("source_control_endpoint")
     if endpoint_text is None:
-        return _refuse("no source_control_endpoint")
+        return _refuse(Rejection.BAD_ENDPOINT, "no source_control_endpoint")
     try:
         source = Endpoint.parse(endpoint_text, require_scheme=require_scheme)
-    except ValueError as exc:
-        return _refuse(f"bad source_control_endpoint: {exc}")
+    except ValueError:
+        return _refuse(Rejection.BAD_ENDPOINT, "bad source_control_endpoint")
     hashes = _read_hashes(payload.get("block_hashes"))
     if isinstance(hashes, str):
-        return _refuse(hashes)
+        return _refuse(Rejection.BAD_HASHES, hashes)
     mode = payload.get("mode", "copy")
     if mode != "copy":
-        return _refuse(f"unsupported mode {mode!r}")
+        return _refuse(Rejection.UNSUPPORTED_MODE, "unsupported mode")
     no_retain = payload.get("no_retain", False)
     if not isinstance(no_retain, bool):
-        return _refuse("no_retain must be a boolean")
+        return _refuse(Rejection.BAD_PAYLOAD, "no_retain must be a boolean")
     return HintParse(FetchHint(source, hashes, message_id, no_retain))
 
 
@@ -165,17 +185,17 @@ def _decode(raw: object) -> object:
 def parse_hint(raw: object) -> HintParse:
     """Read a hint in any accepted shape; never raises."""
     if raw is None:
-        return _refuse("no hint")
+        return _refuse(Rejection.NO_HINT, "no hint")
     try:
         data = _decode(raw)
     except (ValueError, RecursionError):
-        return _refuse("hint is not valid JSON")
+        return _refuse(Rejection.NOT_JSON, "hint is not valid JSON")
     if not isinstance(data, Mapping):
-        return _refuse("hint must be an object")
+        return _refuse(Rejection.NOT_OBJECT, "hint must be an object")
     try:
         return _parse_mapping(data)
     except (TypeError, ValueError, RecursionError) as exc:  # defensive: odd key types in user dicts
-        return _refuse(f"hint unreadable: {type(exc).__name__}")
+        return _refuse(Rejection.UNREADABLE, f"hint unreadable: {type(exc).__name__}")
 
 
 def _parse_mapping(data: Mapping[object, object]) -> HintParse:
@@ -185,22 +205,22 @@ def _parse_mapping(data: Mapping[object, object]) -> HintParse:
         return _read_payload(data[LEGACY_WRAPPER_KEY], require_scheme=False, message_id=None)
     if "source_control_endpoint" in data or "block_hashes" in data:
         return _read_payload(data, require_scheme=False, message_id=None)
-    return _refuse("not a hint envelope")
+    return _refuse(Rejection.NOT_ENVELOPE, "not a hint envelope")
 
 
 def _parse_envelope(data: Mapping[object, object]) -> HintParse:
     if _major(data.get("protocol_version")) != SUPPORTED_PROTOCOL_MAJOR:
-        return _refuse(f"unsupported protocol_version {data.get('protocol_version')!r}")
+        return _refuse(Rejection.PROTOCOL_VERSION, "unsupported protocol_version")
     message_id = data.get("message_id")
     if message_id is not None and not isinstance(message_id, str):
-        return _refuse("message_id must be a string")
+        return _refuse(Rejection.NOT_ENVELOPE, "message_id must be a string")
     actions = data.get("actions")
     if not isinstance(actions, list):
-        return _refuse("actions must be a list")
+        return _refuse(Rejection.NOT_ENVELOPE, "actions must be a list")
     for action in actions:
         if not isinstance(action, Mapping) or action.get("action_type") != "kv.fetch":
             continue  # other actions belong to other consumers
         if _major(action.get("action_version")) != SUPPORTED_ACTION_MAJOR:
-            return _refuse(f"unsupported kv.fetch action_version {action.get('action_version')!r}")
+            return _refuse(Rejection.ACTION_VERSION, "unsupported kv.fetch action_version")
         return _read_payload(action.get("payload"), require_scheme=True, message_id=message_id)
-    return _refuse("no kv.fetch action")
+    return _refuse(Rejection.NO_FETCH_ACTION, "no kv.fetch action")

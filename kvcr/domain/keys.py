@@ -1,10 +1,10 @@
 """Page keys, block keys, namespaces and the router identity of a page.
 
 A *page hash* is SGLang's storage key: the 64-hex chained SHA-256 of a page's token ids.
-A *block key* is kvcr's name for one pool's bytes of that page under one namespace:
-``<page hash>#<namespace>#<pool>``. The *namespace* digests everything that makes the bytes
-interpretable (model, page size, dtype, layout, component geometry, shard identity, salt) and
-never the replica, so byte-compatible replicas share keys. The *router identity* is the first
+kvcr names one pool's bytes of a page by the page hash under that pool's *namespace*, a digest
+of everything that makes the bytes interpretable (model, page size, dtype, layout, the pool's
+component geometry, its shard identity, salt) and never the replica, so byte-compatible replicas
+share keys. Peers agree on namespaces once per link (HELLO), not per page. The *router identity* is the first
 16 hex characters of the page hash read as an integer: the only identity a router shares with
 the engine (unsigned in hints, signed int64 on SGLang's KV-event wire).
 """
@@ -27,7 +27,6 @@ _U64_MOD = 1 << 64
 _I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1
 _HEX_DIGITS = "0123456789abcdef"
-_NAMESPACE = re.compile(r"^[0-9a-f]{16}$")
 _POOL = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _WIDE_TOKEN_TAG = b"\xff"
 
@@ -135,23 +134,18 @@ class ShardIdentity:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolGeometry:
-    """The byte geometry of one pool: its name and each component's piece size, in order."""
-
-    pool: str
-    piece_bytes: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
 class NamespaceSpec:
-    """Everything that decides whether two replicas' bytes for a page are interchangeable."""
+    """Everything but a pool's own geometry and shard that decides whether two replicas' bytes match.
+
+    Each pool's namespace digests this spec with that pool's name, component piece sizes and
+    shard identity (:meth:`pool_digest`), so a replicated pool (MLA KV) shares keys across TP
+    ranks while a TP-sharded pool next to it (Mamba state) does not.
+    """
 
     model: str
     page_size: int
     dtype: str
     layout: str
-    pools: tuple[PoolGeometry, ...]
-    shard: ShardIdentity = ShardIdentity()
     salt: str = ""
 
     def __post_init__(self) -> None:
@@ -160,45 +154,18 @@ class NamespaceSpec:
         if self.page_size <= 0:
             raise InvalidKeyError(f"namespace page_size must be positive, got {self.page_size}")
 
-    def digest(self) -> str:
-        """16 hex characters of SHA-256 over a canonical JSON of the spec."""
+    def pool_digest(self, pool: str, piece_bytes: Sequence[int], shard: ShardIdentity) -> str:
+        """16 hex characters of SHA-256 over a canonical JSON of the spec and one pool's identity."""
         terms = [
-            "kvcr-namespace-v1",
+            "kvcr-namespace-v2",
             self.model,
             self.page_size,
             self.dtype,
             self.layout,
-            sorted([g.pool, list(g.piece_bytes)] for g in self.pools),
-            self.shard.digest_terms(),
+            check_pool_name(pool),
+            list(piece_bytes),
+            shard.digest_terms(),
             self.salt,
         ]
         canonical = json.dumps(terms, separators=(",", ":"), sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:NAMESPACE_HEX_LEN]
-
-
-@dataclass(frozen=True, slots=True)
-class BlockKey:
-    """One pool's bytes of one page under one namespace."""
-
-    page_hash: str
-    namespace: str
-    pool: str
-
-    def __post_init__(self) -> None:
-        check_page_hash(self.page_hash)
-        if _NAMESPACE.match(self.namespace) is None:
-            raise InvalidKeyError(f"namespace must be 16 lowercase hex characters, got {self.namespace!r}")
-        check_pool_name(self.pool)
-
-    def __str__(self) -> str:
-        return f"{self.page_hash}#{self.namespace}#{self.pool}"
-
-    @classmethod
-    def parse(cls, text: str) -> BlockKey:
-        """Read ``<page hash>#<namespace>#<pool>``; raise InvalidKeyError on anything else."""
-        if not isinstance(text, str):
-            raise InvalidKeyError(f"block key must be a string, got {type(text).__name__}")
-        parts = text.split("#")
-        if len(parts) != 3:
-            raise InvalidKeyError(f"block key must be '<page hash>#<namespace>#<pool>', got {text!r}")
-        return cls(*parts)

@@ -1,11 +1,11 @@
-"""Memory layouts: registered regions, references to pieces, and copy runs.
+"""Memory layouts: registered regions, and runs of pieces between them.
 
 A pool's page is made of one *piece* per physical *component* (MHA: K and V; MLA: one latent).
 Each component lives in a registered :class:`RegionDescriptor` — ``count`` pieces of
-``piece_bytes``, ``stride`` bytes apart from ``base``. A :class:`MemoryRef` names a piece by
-region label and element index, so no raw pointer crosses a layer boundary. Batched IO turns
-(source piece, destination piece) pairs into :class:`CopyRun` s, merging pairs that are adjacent
-on both sides.
+``piece_bytes``, ``stride`` bytes apart from ``base`` — and a page's piece is addressed by its
+slot (element index), so no raw pointer crosses a layer boundary. Batched IO turns
+(source slot, destination slot) pairs into :class:`PieceRun` s with one coalescer, merging pairs
+that are adjacent on both sides.
 """
 
 from __future__ import annotations
@@ -109,88 +109,40 @@ def check_disjoint(regions: Sequence[RegionDescriptor]) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryRef:
-    """One piece: the region's label and the element index inside it."""
+class PieceRun:
+    """``count`` consecutive pieces: region ``src`` from piece ``src_first`` into region ``dst`` from ``dst_first``.
 
-    label: str
-    index: int
+    Regions are named by the ids a data plane gave them at registration (``src`` is the peer's,
+    ``dst`` ours for a remote read); pieces by their index inside the region.
+    """
 
-
-@dataclass(frozen=True, slots=True)
-class CopyRun:
-    """``nbytes`` from ``src_label + src_offset`` to ``dst_label + dst_offset``."""
-
-    src_label: str
-    src_offset: int
-    dst_label: str
-    dst_offset: int
-    nbytes: int
+    src: int
+    src_first: int
+    dst: int
+    dst_first: int
+    count: int = 1
 
 
-def project(regions: Sequence[RegionDescriptor], index: int) -> tuple[MemoryRef, ...]:
-    """The pieces of page ``index`` of a pool whose components live in ``regions`` (in order)."""
-    for region in regions:
-        region.offset(index)  # bounds check with a message naming the region
-    return tuple(MemoryRef(region.label, index) for region in regions)
+def slot_runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Coalesce (src slot, dst slot) pairs into (src first, dst first, count) runs.
 
-
-def merge_runs(pairs: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, int, int]]:
-    """Merge (dst offset, src offset) pieces of ``nbytes`` into (dst, src, length) runs.
-
-    Pieces are sorted by destination; a piece joins the previous run when it continues it on
-    both sides. Works on offsets or absolute addresses alike.
+    The one coalescer of the data path: pairs are ordered by destination and a pair joins the
+    previous run when it continues it on both sides. Every component of a pool shares its slot
+    numbering, so one call serves all of a pool's components.
     """
     runs: list[tuple[int, int, int]] = []
-    run_dst = run_src = run_len = -1
-    for dst, src in sorted(pairs):
-        if dst == run_dst + run_len and src == run_src + run_len:
-            run_len += nbytes
+    run_src = run_dst = run_len = 0
+    for src, dst in sorted(pairs, key=_by_destination):
+        if run_len and src == run_src + run_len and dst == run_dst + run_len:
+            run_len += 1
             continue
-        if run_len > 0:
-            runs.append((run_dst, run_src, run_len))
-        run_dst, run_src, run_len = dst, src, nbytes
-    if run_len > 0:
-        runs.append((run_dst, run_src, run_len))
+        if run_len:
+            runs.append((run_src, run_dst, run_len))
+        run_src, run_dst, run_len = src, dst, 1
+    if run_len:
+        runs.append((run_src, run_dst, run_len))
     return runs
 
 
-def coalesce(
-    pairs: Iterable[tuple[RegionDescriptor, int, RegionDescriptor, int]],
-) -> list[CopyRun]:
-    """Turn (src region, src index, dst region, dst index) pairs into merged copy runs.
-
-    Pairs between the same two regions merge when adjacent on both sides, whatever order the
-    caller listed them in.
-    """
-    groups: dict[tuple[str, str, int], list[tuple[int, int]]] = {}
-    for src, src_index, dst, dst_index in pairs:
-        if src.piece_bytes != dst.piece_bytes:
-            raise LayoutError(
-                f"piece size mismatch: {src.label!r} has {src.piece_bytes} bytes, {dst.label!r} has {dst.piece_bytes}"
-            )
-        group = groups.setdefault((src.label, dst.label, src.piece_bytes), [])
-        group.append((dst.offset(dst_index), src.offset(src_index)))
-    runs: list[CopyRun] = []
-    for (src_label, dst_label, nbytes), offsets in groups.items():
-        runs.extend(
-            CopyRun(src_label, src_off, dst_label, dst_off, length)
-            for dst_off, src_off, length in merge_runs(offsets, nbytes)
-        )
-    return runs
-
-
-def page_slots(token_indices: Sequence[int], page_size: int) -> list[int]:
-    """Host page slots of a run of token indices; each page must be whole, aligned and contiguous."""
-    if page_size <= 0:
-        raise LayoutError(f"page_size must be positive, got {page_size}")
-    if len(token_indices) % page_size:
-        raise LayoutError(f"{len(token_indices)} token indices are not a whole number of {page_size}-token pages")
-    slots = []
-    for start in range(0, len(token_indices), page_size):
-        first = token_indices[start]
-        if first % page_size:
-            raise LayoutError(f"page starting at token index {first} is not aligned to page_size {page_size}")
-        if list(token_indices[start : start + page_size]) != list(range(first, first + page_size)):
-            raise LayoutError(f"page starting at token index {first} is not contiguous")
-        slots.append(first // page_size)
-    return slots
+def _by_destination(pair: tuple[int, int]) -> int:
+    return pair[1]

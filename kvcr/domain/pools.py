@@ -4,18 +4,21 @@ A host pool group has one *anchor* pool (``kv``) that defines the page chain and
 possibly *logical* (no bytes, as in DeepSeek-V4), plus side pools (indexer, mamba, swa, ...).
 ALL_PAGES pools need every page of a prefix; TRAILING_PAGES pools need only a trailing window
 (Mamba/SWA checkpoints). A page counts as present only when every physical piece of every
-required pool is present; a question about a logical anchor alone has no evidence at all.
+required pool is present; a question about a logical anchor alone has no evidence at all
+(the hit rule itself is :mod:`kvcr.domain.hits`).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvcr.domain.errors import EvidenceError, LayoutError
-from kvcr.domain.keys import check_pool_name
+from kvcr.domain.errors import LayoutError
+from kvcr.domain.keys import ShardIdentity, check_pool_name
 from kvcr.domain.layout import ComponentSpec
+
+_UNSHARDED = ShardIdentity()
 
 
 class HitPolicy(str, enum.Enum):
@@ -27,13 +30,18 @@ class HitPolicy(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class PoolSpec:
-    """A pool's name, physical components, hit policy, and whether it is the (logical) anchor."""
+    """A pool's name, physical components, hit policy, whether it is the (logical) anchor, its shard.
+
+    ``shard`` is this rank's slice of the pool's bytes: replicated for MLA KV (one key space
+    across TP ranks), the TP rank for sharded pools; it is part of the pool's namespace.
+    """
 
     name: str
     components: tuple[ComponentSpec, ...]
     hit_policy: HitPolicy = HitPolicy.ALL_PAGES
     anchor: bool = False
     logical: bool = False
+    shard: ShardIdentity = _UNSHARDED
 
     def __post_init__(self) -> None:
         check_pool_name(self.name)
@@ -71,21 +79,3 @@ def check_pool_set(pools: Sequence[PoolSpec]) -> None:
     anchors = [p.name for p in pools if p.anchor]
     if len(anchors) > 1:
         raise LayoutError(f"only one pool may be the anchor, got {anchors}")
-
-
-def require_physical_evidence(pools: Iterable[PoolSpec]) -> None:
-    """Refuse a query whose pools hold no bytes under the ALL_PAGES rule (a bare logical anchor)."""
-    if not any(p.physical and p.hit_policy is HitPolicy.ALL_PAGES for p in pools):
-        raise EvidenceError("query names no physical all_pages pool; a logical anchor alone is no evidence")
-
-
-def page_evidence(present: Mapping[str, Sequence[bool]], pools: Iterable[PoolSpec]) -> list[bool]:
-    """Per page, whether every physical ALL_PAGES pool holds it (TRAILING pools are judged apart)."""
-    required = [p for p in pools if p.physical and p.hit_policy is HitPolicy.ALL_PAGES]
-    if not required:
-        raise EvidenceError("no physical all_pages pool to take evidence from")
-    columns = [present[p.name] for p in required]
-    length = len(columns[0])
-    if any(len(c) != length for c in columns):
-        raise LayoutError("pools report different page counts for one query")
-    return [all(c[i] for c in columns) for i in range(length)]

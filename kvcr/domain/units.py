@@ -22,6 +22,7 @@ _UNITS = {
     "gib": 1024**3,
     "tib": 1024**4,
 }
+_MAX_DIGITS = 30
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -30,6 +31,8 @@ def parse_byte_size(value: int | str, *, name: str = "size") -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{name}: expected bytes as an int or a string like '8GiB', got a bool")
     if isinstance(value, int):
+        if value.bit_length() > 100:
+            raise ConfigError(f"{name}: {str(value)[:24]}... is far too large")
         if value < 0:
             raise ConfigError(f"{name}: must not be negative, got {value}")
         return value
@@ -42,10 +45,16 @@ def parse_byte_size(value: int | str, *, name: str = "size") -> int:
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ConfigError(f"{name}: unknown unit {unit!r} in {value!r}")
-    size = float(number) * factor
-    if size != int(size):
+    if len(number) > _MAX_DIGITS:
+        raise ConfigError(f"{name}: {value[:24]!r}... is far too large")
+    whole, _, fraction = number.partition(".")
+    # Exact integer arithmetic: floats lose bytes, and overflow on absurd inputs.
+    scaled = int(whole + fraction) * factor
+    divisor = 10 ** len(fraction)
+    if scaled % divisor:
         raise ConfigError(f"{name}: {value!r} is not a whole number of bytes")
-    return int(size)
+    result: int = scaled // divisor
+    return result
 
 
 def format_byte_size(nbytes: int) -> str:

@@ -1,8 +1,14 @@
-"""ControlChannel: request/reply messages between peer runners.
+"""ControlChannel: request/reply and one-way messages between peer runners.
 
 Call order: ``serve(handler)`` once to answer requests on our endpoint (the handler runs on the
-channel's own thread, so an idle engine still answers); ``request`` any number of times to a
-peer's endpoint; ``close`` once. Payloads are opaque bytes: the peer protocol encodes them.
+channel's own thread, so an idle engine still answers); ``request`` and ``send`` any number of
+times to peers' endpoints; ``forget`` a peer whose link is closed; ``close`` once. Payloads are
+opaque bytes: the peer protocol encodes and checks them.
+
+Security belongs to the channel: an adapter configured with cluster credentials authenticates
+and encrypts every connection, and a peer without them never reaches the handler (it sees
+PeerUnavailable). The handler therefore only ever sees frames from authenticated peers, or from
+anyone when the channel runs without credentials (loopback only, or an operator's explicit opt-in).
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-Handler = Callable[[bytes], bytes]
+Handler = Callable[[bytes], bytes | None]
+"""Answers one request frame; returns the reply, or None for a one-way message (nothing is sent)."""
 
 
 class ControlChannel(Protocol):
@@ -29,9 +36,16 @@ class ControlChannel(Protocol):
         """Send ``payload`` to ``endpoint`` and return its reply.
 
         Raises:
-            PeerUnavailable: the peer cannot be reached.
+            PeerUnavailable: the peer cannot be reached (or refused our credentials).
             ControlTimeout: no reply within ``timeout_s``.
+            PeerRefused: the peer's handler failed.
         """
+
+    def send(self, endpoint: str, payload: bytes) -> None:
+        """Send a one-way message; never blocks and never raises (best effort: it may be dropped)."""
+
+    def forget(self, endpoint: str) -> None:
+        """Close every connection to ``endpoint`` (its link was evicted or the peer went away)."""
 
     def close(self) -> None:
         """Stop serving and drop connections."""

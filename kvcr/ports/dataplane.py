@@ -1,29 +1,45 @@
-"""DataPlane: one-sided reads from a peer's registered memory into ours.
+"""DataPlane: one-sided reads of a peer's exposed pieces into our own regions, by piece index.
 
 Call order::
 
-    register(regions)                    once per region, at start-up
-    describe() -> bytes                  handed to peers over the control channel
-    connect(peer_description) -> peer    on first use of a peer; cached by the adapter
-    read(peer, runs) -> handle           one batched transfer
-    poll(handle) -> state                until terminal (DONE / FAILED / CANCELLED)
-    cancel(handle) -> state              when a deadline passes; UNCERTAIN if not confirmed
-    release(handle)                      after a terminal state
-    deregister(labels)                   only when no transfer touches them
-    close()
+    register(regions, exposed=...) -> ids   once per region at start-up
+    describe() -> bytes                     handed to authenticated peers over the control channel
+    connect(description, timeout_s) -> peer on first use of a peer (proves it reachable)
+    read(peer.name, runs) -> handle         one batched transfer of piece runs
+    poll(handle) -> state                   until terminal (DONE / FAILED / CANCELLED)
+    cancel(handle) -> state                 when a deadline passes; UNCERTAIN if not confirmed stopped
+    disconnect(peer.name)                   tear a peer down (also after an UNCERTAIN read, see below)
+    release(handle)                         after a terminal state
+    deregister(ids) / close()
 
-``CopyRun.src_label`` names a region of the *peer* (from its description); ``dst_label`` names
-one of ours. A handle that ended UNCERTAIN must never be released with its destination reused:
-the destination may still be written.
+Regions are addressed by the ids ``register`` returns, pieces by their index inside a region
+(``RegionDescriptor``: ``count`` pieces of ``piece_bytes``, ``stride`` apart). A ``PieceRun``
+names ``count`` consecutive pieces on both sides; the source region is the peer's (its id comes
+from the peer's description, relayed by the peer protocol), the destination is ours.
+
+*Exposed* regions (kvcr's DRAM arena) are what peers may read: ``describe`` names them and
+nothing else. *Private* regions (the engine's host pages, staging memory) are only destinations
+of our own reads; no description ever names them, so a peer holding our description has no
+handle on them.
+
+A handle that ended UNCERTAIN must never be released with its destination reused: the
+destination may still be written. ``disconnect`` is the adapter's strongest stop: afterwards a
+live read either reaches a terminal state (the transport guarantees it writes no more) or stays
+UNCERTAIN. ``PeerInfo.late_writes`` says up front whether that can happen with this peer; the
+runner then lands such reads in kvcr-owned staging memory it can quarantine, never in engine
+memory.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
-from kvcr.domain.layout import CopyRun, RegionDescriptor
+from kvcr.domain.layout import PieceRun, RegionDescriptor
+
+__all__ = ["DataPlane", "GuardedReads", "PeerActivity", "PeerInfo", "PieceRun", "ReadGuard", "TransferState"]
 
 
 class TransferState(str, enum.Enum):
@@ -39,40 +55,55 @@ class TransferState(str, enum.Enum):
         return self in (TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED)
 
 
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """A connected peer: its name on the fabric, and whether a given-up read may still land later."""
+
+    name: str
+    late_writes: bool
+
+
 class DataPlane(Protocol):
     @property
     def name(self) -> str:
-        """This endpoint's name on the fabric (unique per runner)."""
+        """This endpoint's name on the fabric (unique per runner incarnation)."""
 
-    def register(self, regions: Sequence[RegionDescriptor]) -> None:
-        """Make regions readable by peers (ours as sources) and writable by reads (destinations).
+    def register(self, regions: Sequence[RegionDescriptor], *, exposed: bool) -> tuple[int, ...]:
+        """Register regions (all or none); returns their ids, in order.
+
+        ``exposed`` regions are described to peers and readable by them; private ones are only
+        destinations of our reads.
 
         Raises:
-            RegistrationError: a region is already registered or cannot be registered.
+            RegistrationError: a region overlaps a registered one or cannot be registered.
         """
 
-    def deregister(self, labels: Sequence[str]) -> None:
+    def deregister(self, ids: Sequence[int]) -> None:
         """Forget regions; the caller guarantees no transfer touches them."""
 
     def describe(self) -> bytes:
-        """What a peer needs to read from us (agent metadata and region table)."""
+        """What a peer needs to read our exposed regions (and nothing about private ones)."""
 
-    def connect(self, description: bytes) -> str:
-        """Load a peer's description; returns the peer's name. Idempotent.
+    def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
+        """Load a peer's description and make sure it is reachable. Idempotent for one description.
 
         Raises:
-            PeerUnavailable: the description is unusable.
+            PeerUnavailable: the description is unusable or the peer did not answer in time.
         """
 
     def disconnect(self, peer: str) -> None:
-        """Forget a peer (it restarted or went away)."""
+        """Tear a peer down: its live reads end (terminal) or stay UNCERTAIN (see module doc)."""
 
-    def read(self, peer: str, runs: Sequence[CopyRun]) -> int:
+    def read(self, peer: str, runs: Sequence[PieceRun], *, lease: int = 0) -> int:
         """Start reading every run from ``peer`` into our regions; returns a handle.
+
+        ``lease`` is the source's lease id the runs were granted under; one-sided transports
+        ignore it, two-sided ones let the source check it (see :class:`GuardedReads`).
 
         Raises:
             PeerUnavailable: the peer is not connected or not reachable.
-            TransportError: the transfer could not be posted.
+            TransportError: a run names an unknown region, runs out of bounds, or pairs pieces of
+                different sizes; or the transfer could not be posted. Nothing was posted.
         """
 
     def poll(self, handle: int) -> TransferState:
@@ -82,7 +113,44 @@ class DataPlane(Protocol):
         """Try to stop a transfer; CANCELLED only when confirmed, else UNCERTAIN (or its terminal state)."""
 
     def release(self, handle: int) -> None:
-        """Forget a handle in a terminal state."""
+        """Forget a handle in a terminal state.
+
+        Raises:
+            KvcrError: the transfer is not terminal (its destination may still be written).
+        """
 
     def close(self) -> None:
-        """Release everything this data plane registered or connected."""
+        """Release everything this data plane registered or connected.
+
+        Raises:
+            KvcrError: a transfer is still live; nothing was released.
+        """
+
+
+@runtime_checkable
+class PeerActivity(Protocol):
+    """Optional: a data plane whose idle cost depends on knowing when peers will read from it.
+
+    The peer server calls ``expect_reads`` whenever it answers a HELLO or grants a lease, so an
+    adapter that must progress for remote readers (wire-up, keep-alive) can stay responsive
+    while leases live and back off to near-zero cost when nobody reads.
+    """
+
+    def expect_reads(self, within_s: float) -> None:
+        """Peers may read our exposed regions during the next ``within_s`` seconds."""
+
+
+ReadGuard = Callable[[int, Sequence[PieceRun]], bool]
+"""``allowed(lease, runs)``: whether a peer's read of ``runs`` (source region ids) is covered by ``lease``."""
+
+
+@runtime_checkable
+class GuardedReads(Protocol):
+    """Optional: a two-sided transport, where the source itself sends the bytes a peer reads.
+
+    The peer server installs its lease table as the guard, so such a source sends nothing but
+    pieces a live lease covers; a read outside it fails at the target without a byte moved.
+    """
+
+    def guard_reads(self, allowed: ReadGuard) -> None:
+        """Check every incoming read with ``allowed`` before sending anything."""

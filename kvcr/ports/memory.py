@@ -51,5 +51,9 @@ class HostMemory(Protocol):
     def read(self, address: int, nbytes: int) -> bytes:
         """Return a copy of ``nbytes`` at ``address`` (diagnostics)."""
 
-    def checksum(self, extents: Sequence[tuple[int, int]]) -> bytes:
-        """One digest over the bytes of every (address, nbytes) extent, in order, without copying."""
+    def digest(self, extents: Sequence[tuple[int, int]], seed: bytes) -> bytes:
+        """16-byte XXH3-128 of ``seed`` then every (address, nbytes) extent, in order, without copying.
+
+        The seed binds the digest to what the bytes are (a page's key), so the digest of one
+        page never vouches for another page's bytes.
+        """

@@ -1,45 +1,65 @@
 """A runner joined to the peer fabric: its data plane, control channel, server and client.
 
-The node registers the runner's arenas (what peers read) and the engine's host regions (where
-restores land) with the data plane once, serves the peer protocol on the control channel, and
-closes in the only safe order: stop serving, wait until no lease or operation touches kvcr
-memory, deregister, free.
+The node registers the runner's arenas with the data plane as *exposed* (what peers may read)
+and the engine's host regions as *private* (where our reads land, never described to anyone),
+serves the peer protocol on the control channel, and closes in the only safe order: refuse new
+leases, give peers a bounded moment to release theirs (the control channel still takes their
+RELEASEs), stop serving, wait until nothing of ours touches kvcr memory, deregister, free.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvcr.domain.errors import ConfigError
+from kvcr.domain.errors import ConfigError, KvcrError
 from kvcr.domain.hints import Endpoint
 from kvcr.domain.layout import RegionDescriptor
 from kvcr.ports.clock import Clock
 from kvcr.ports.control import ControlChannel
 from kvcr.ports.dataplane import DataPlane
 from kvcr.ports.errors import TransportError
+from kvcr.ports.memory import HostMemory
 from kvcr.ports.metrics import Metrics
-from kvcr.runner.peer_client import PeerClient, PeerSettings
+from kvcr.runner.peer_client import LANDINGS, PeerClient, PeerSettings
 from kvcr.runner.peer_server import PeerServer
-from kvcr.runner.protocol import Codec
 from kvcr.runner.runner import KvcrRunner
+from kvcr.runner.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
-_WILDCARD = frozenset({"*", "0.0.0.0", "::", ""})
+_WILDCARD = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``); wildcards are not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
 class NodeSettings:
-    """Where this node's control server binds and how peers reach it; the cluster token."""
+    """Where this node's control server binds and how peers reach it; the cluster credentials.
+
+    Without a ``token`` the control channel is unauthenticated: anyone who reaches the port gets
+    the data-plane description and leases. That is allowed on loopback; binding anything else
+    without a token needs ``allow_unauthenticated`` (the operator accepts it, with a warning).
+    """
 
     control_host: str
     control_port: int
     advertise_host: str | None = None
     token: bytes | None = None
+    allow_unauthenticated: bool = False
     peer: PeerSettings = field(default_factory=PeerSettings)
+    close_lease_wait_s: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0 < self.control_port < 65536:
@@ -48,6 +68,16 @@ class NodeSettings:
             raise ConfigError(
                 f"control_advertise_host must be a dialable address when control_host is {self.control_host!r}"
             )
+        if self.token is None and not is_loopback(self.control_host) and not self.allow_unauthenticated:
+            raise ConfigError(
+                f"control_host {self.control_host!r} is not loopback and no auth_token_file is set: any process "
+                "that reaches it could read kvcr DRAM. Set auth_token_file (recommended), or "
+                "allow_unauthenticated: true to accept that"
+            )
+        if self.peer.landing not in LANDINGS:
+            raise ConfigError(f"landing must be one of {', '.join(LANDINGS)}, got {self.peer.landing!r}")
+        if self.peer.max_pages_per_read <= 0:
+            raise ConfigError(f"read_batch_pages must be positive, got {self.peer.max_pages_per_read}")
 
     @property
     def endpoint(self) -> str:
@@ -64,38 +94,52 @@ class RunnerNode:
         data_plane: DataPlane,
         control: ControlChannel,
         *,
-        token: bytes | None,
+        memory: HostMemory,
         clock: Clock,
         metrics: Metrics,
-        settings: PeerSettings,
+        settings: NodeSettings,
     ) -> None:
         self.runner = runner
         self.data_plane = data_plane
         self.control = control
-        codec = Codec(token)
-        self._host_labels: dict[str, tuple[RegionDescriptor, ...]] = {}
+        self.settings = settings
+        self._host_ids: dict[str, tuple[tuple[RegionDescriptor, ...], tuple[int, ...]]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        data_plane.register(runner.arena_regions())
-        self.server = PeerServer(runner, data_plane, codec, metrics)
-        self.client = PeerClient(runner, control, data_plane, codec, clock, metrics, settings)
+        if settings.token is None and not is_loopback(settings.control_host):
+            log.warning(
+                "kvcr: control endpoint %s has no authentication (allow_unauthenticated is set): anyone who "
+                "reaches it can read this replica's kvcr DRAM",
+                settings.endpoint,
+            )
+        arena_ids = {pool: data_plane.register(regions, exposed=True) for pool, regions in runner.pool_arenas().items()}
+        self.server = PeerServer(runner, data_plane, arena_ids, metrics)
+        self.staging = StagingPool(memory, data_plane, settings.peer.max_pages_per_read, settings.peer.staging_buffers)
+        self.client = PeerClient(
+            runner, control, data_plane, memory, clock, metrics, settings.peer, self.host_region_ids, self.staging
+        )
         control.serve(self.server.handle)
 
     @property
     def endpoint(self) -> str:
         return self.control.endpoint
 
+    def host_region_ids(self, pool: str) -> tuple[int, ...]:
+        """The data-plane ids of ``pool``'s host regions (LayoutError-free: empty when unregistered)."""
+        with self._lock:
+            entry = self._host_ids.get(pool)
+        return entry[1] if entry is not None else ()
+
     def register_host_pool(self, pool: str, regions: Sequence[RegionDescriptor]) -> tuple[RegionDescriptor, ...]:
-        """Register an engine host pool with the runner and, once, with the data plane."""
+        """Register an engine host pool with the runner and, once, privately with the data plane."""
         canonical = self.runner.register_host_pool(pool, regions)
         with self._lock:
-            previous = self._host_labels.get(pool)
-            if previous == canonical:
+            previous = self._host_ids.get(pool)
+            if previous is not None and previous[0] == canonical:
                 return canonical
             if previous is not None:
-                self.data_plane.deregister([r.label for r in previous])
-            self.data_plane.register(canonical)
-            self._host_labels[pool] = canonical
+                self.data_plane.deregister(previous[1])
+            self._host_ids[pool] = (canonical, self.data_plane.register(canonical, exposed=False))
         return canonical
 
     def close(self) -> None:
@@ -103,12 +147,19 @@ class RunnerNode:
             if self._closed:
                 return
             self._closed = True
-        self.control.close()  # no new leases from here on
+        self.server.close_to_new_work()
+        self.runner.stop_leasing()
+        left = self.runner.wait_for_leases(self.settings.close_lease_wait_s)
+        if left:
+            log.info("kvcr: closing with %d peer leases still live; their pages are never reused", left)
+        self.client.close()
+        self.control.close()
 
         def deregister() -> None:
             try:
+                self.staging.close()
                 self.data_plane.close()
-            except TransportError as exc:
-                log.error("data plane did not close cleanly: %s", exc)
+            except (TransportError, KvcrError) as exc:
+                log.error("kvcr: data plane did not close cleanly (memory stays registered): %s", exc)
 
         self.runner.close(on_quiescent=deregister)

@@ -1,59 +1,84 @@
 """The target side of the peer protocol: lease pages from a source, read them into host pages.
 
-Flow for one restore (DESIGN §5): HELLO once per source (cached), LEASE the block keys, one
-batched one-sided READ from the granted slots straight into our host pages, poll to a terminal
-state, accept the bytes only if the read completed before ``sent + lease - margin`` on our
-clock, then RELEASE (fire and forget: the lease also expires on its own).
+One restore (DESIGN §5) costs one control round trip on its critical path: HELLO once per link
+(cached, bounded LRU), LEASE the pages (the reply carries everything the read needs: slots and
+digests), one batched data-plane read per ``max_pages_per_read`` pages, RELEASE sent one-way
+(the lease also expires on its own). A read is accepted only if it completed before
+``sent + lease - margin`` on our clock and, with ``verify_bytes``, only if the delivered bytes
+match the digest the source computed at backup, bound to the key we asked for.
 
 Every failure is a miss, never an exception to the caller: a dead, slow, refusing or
-incompatible peer, a stale hint (the source no longer holds the page), a failed or late read.
-A read whose cancellation cannot be confirmed is UNCERTAIN: its handle is quarantined, never
-released, and the caller must not hand those host pages to the engine.
+incompatible peer, a stale hint, a failed, late or corrupt read. The whole read has one
+operation deadline (not one per batch). A read from a peer whose given-up reads may still land
+(``PeerInfo.late_writes``) lands in kvcr-owned staging memory, quarantined if it never settles,
+and is copied into the host pages only after DONE: such a peer costs a miss, never the worker.
+A direct read that cannot be confirmed stopped even after tearing the peer down is UNCERTAIN:
+the caller must not hand those host pages to the engine (the SGLang backend fail-stops).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvcr.domain.layout import CopyRun, merge_runs
+from kvcr.domain.layout import PieceRun, slot_runs
 from kvcr.domain.outcomes import RESTORED, PageOutcome, failed, miss, uncertain
 from kvcr.domain.residency import lease_accepts
 from kvcr.ports.clock import Clock
 from kvcr.ports.control import ControlChannel
-from kvcr.ports.dataplane import DataPlane, TransferState
+from kvcr.ports.dataplane import DataPlane, PeerInfo, TransferState
 from kvcr.ports.errors import PeerRefused, TransportError
+from kvcr.ports.memory import HostMemory, Move
 from kvcr.ports.metrics import Metrics
-from kvcr.runner.protocol import Codec, Hello, HelloReply, Lease, LeaseReply, PoolGeometryWire, Release
+from kvcr.runner import protocol
+from kvcr.runner.protocol import NONCE_BYTES, Hello, HelloReply, Lease, LeaseReply, PoolWire, RefusalCode, Refused
 from kvcr.runner.runner import KvcrRunner
+from kvcr.runner.staging import StagingBuffer, StagingPool
 
 log = logging.getLogger(__name__)
 
+LANDINGS = ("auto", "direct", "staged")
 _STALE = miss("source does not hold it")
+_RATE_WEIGHT = 0.3  # EWMA weight of the newest read in a link's throughput estimate
 
 
 @dataclass(frozen=True, slots=True)
 class PeerSettings:
-    """Timing of peer restores, in seconds."""
+    """How a target reads from peers (timings live in the runner's ``Timing``).
 
-    operation_s: float = 5.0
-    abandon_s: float = 10.0
-    lease_s: float = 10.0
-    lease_margin_s: float = 0.5
-    retry_after_s: float = 1.0  # how long a failed peer is skipped before we dial it again
-    verify_bytes: bool = False
+    landing: ``auto`` lands reads in the engine's pages unless the peer's transport may write
+        after kvcr gave up (then ``staged``); ``direct`` always lands in the engine's pages
+        (a read that cannot be stopped then ends the worker); ``staged`` always stages.
+    recompute_tokens_per_s: the replica's prefill rate; a remote read whose estimated time
+        exceeds recomputing its tokens is skipped (a miss). 0 turns the check off.
+    tokens_per_page: tokens in one page (for that estimate).
+    max_links / link_idle_s: open peer links kept, least recently used first out; idle close.
+    """
+
     max_pages_per_read: int = 128
+    landing: str = "auto"
+    recompute_tokens_per_s: float = 0.0
+    tokens_per_page: int = 0
+    max_links: int = 64
+    link_idle_s: float = 300.0
+    staging_buffers: int = 4
 
 
 @dataclass
 class _Link:
     endpoint: str
-    peer: str
+    session: int
     incarnation: str
-    pools: dict[str, PoolGeometryWire]
+    peer: PeerInfo
+    pools: dict[str, PoolWire]
+    staged: bool
+    last_used: float
+    bytes_per_s: float = 0.0  # 0: no estimate yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +99,7 @@ class RemoteLease:
     sent_at: float
     ttl_s: float
     slots: dict[tuple[str, str], int]  # (pool, page hash) -> source slot
-    checksums: dict[tuple[str, str], bytes] = field(default_factory=dict)
+    digests: dict[tuple[str, str], bytes] = field(default_factory=dict)
     link: _Link | None = None
     released: bool = False
 
@@ -86,34 +111,55 @@ class RemoteLease:
         return self.sent_at + self.ttl_s - margin_s
 
 
+@dataclass
+class _Wanted:
+    pool: str
+    index: int
+    page: str
+    host_slot: int
+    src_slot: int
+
+
 class PeerClient:
-    """Leases and reads pages from peer runners. Thread-safe."""
+    """Leases and reads pages from peer runners. Thread-safe.
+
+    Args:
+        host_ids: per pool, the data-plane region ids of its host regions (where reads land).
+    """
 
     def __init__(
         self,
         runner: KvcrRunner,
         control: ControlChannel,
         data_plane: DataPlane,
-        codec: Codec,
+        memory: HostMemory,
         clock: Clock,
         metrics: Metrics,
         settings: PeerSettings,
+        host_ids: Callable[[str], tuple[int, ...]],
+        staging: StagingPool,
     ) -> None:
         self._runner = runner
         self._control = control
         self._data_plane = data_plane
-        self._codec = codec
+        self._memory = memory
         self._clock = clock
         self._metrics = metrics
         self.settings = settings
-        self._links: dict[str, _Link] = {}
+        self._timing = runner.config.timing
+        self._verify = runner.config.verify_bytes
+        self._host_ids = host_ids
+        self._staging = staging
+        self._incarnation = secrets.token_hex(16)
+        self._links: OrderedDict[str, _Link] = OrderedDict()
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
         self._quarantine: list[int] = []
+        self._specs = {p.name: p for p in runner.pools}
 
     def alive(self, lease: RemoteLease) -> bool:
         """Whether a read under ``lease`` could still be accepted."""
-        return not lease.released and self._clock.now() < lease.usable_until(self.settings.lease_margin_s)
+        return not lease.released and self._clock.now() < lease.usable_until(self._timing.lease_margin_s)
 
     @property
     def quarantined(self) -> int:
@@ -121,50 +167,86 @@ class PeerClient:
         with self._lock:
             return len(self._quarantine)
 
+    @property
+    def links(self) -> int:
+        with self._lock:
+            return len(self._links)
+
     # ------------------------------------------------------------------ lease
 
-    def lease(self, endpoint: str, pages: Sequence[tuple[str, str]]) -> RemoteLease | None:
-        """Lease (pool, page hash) pages from the source at ``endpoint``; None when unusable."""
-        if not pages:
+    def lease(self, endpoint: str, requests: Sequence[tuple[str, Sequence[str]]]) -> RemoteLease | None:
+        """Lease (pool, page hashes) from the source at ``endpoint``; None when nothing usable came back."""
+        wanted = [(pool, list(pages)) for pool, pages in requests if pages]
+        if not wanted:
             return None
-        deadline = self._clock.now() + self.settings.operation_s
-        link = self._link(endpoint, deadline)
-        if link is None:
+        deadline = self._clock.now() + self._timing.operation_s
+        for _ in range(2):  # a second try only after the source forgot our session (it restarted)
+            link = self._link(endpoint, deadline)
+            if link is None:
+                return None
+            asked = [(pool, pages) for pool, pages in wanted if pool in link.pools]
+            if not asked:
+                self._count_miss("pool_not_shared", sum(len(p) for _, p in wanted))
+                return None
+            if self._slower_than_recompute(link, asked):
+                self._count_miss("slower_than_recompute", sum(len(p) for _, p in asked))
+                return None
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            message = Lease(
+                nonce,
+                link.session,
+                round(self._timing.lease_s * 1000),
+                [(link.pools[pool].pool_id, pages) for pool, pages in asked],
+            )
+            sent_at = self._clock.now()
+            reply = self._call(endpoint, message, nonce, deadline)
+            if isinstance(reply, Refused) and reply.code == RefusalCode.UNKNOWN_SESSION:
+                self._forget(endpoint)
+                continue
+            if not isinstance(reply, LeaseReply):
+                return None
+            return self._granted(link, asked, reply, sent_at)
+        return None
+
+    def _granted(
+        self, link: _Link, asked: list[tuple[str, list[str]]], reply: LeaseReply, sent_at: float
+    ) -> RemoteLease | None:
+        shapes_match = len(reply.slots) == len(asked) and len(reply.digests) == len(asked)
+        if shapes_match:
+            for (_, pages), pool_slots, pool_digests in zip(asked, reply.slots, reply.digests, strict=True):
+                if len(pool_slots) != len(pages) or len(pool_digests) != len(pages):
+                    shapes_match = False
+        if not shapes_match:
+            log.warning("kvcr: peer %s answered a LEASE with the wrong shape; ignored", link.endpoint)
+            self._send_release(link, reply.lease_id)
+            self._count_miss("malformed_reply", sum(len(p) for _, p in asked))
             return None
-        keys = [str(self._runner.block_key(pool, page)) for pool, page in pages]
-        sent_at = self._clock.now()
-        request = Lease(keys, round(self.settings.lease_s * 1000), checksums=self.settings.verify_bytes)
-        reply = self._call(endpoint, request, deadline)
-        if not isinstance(reply, LeaseReply):
-            return None
-        if reply.incarnation != link.incarnation:
-            # The source restarted since we said HELLO: its data-plane metadata is stale.
-            self._forget(endpoint)
-            self._send_release(endpoint, reply.lease_id)
-            self._metrics.increment("kvcr_peer_restarts_seen_total")
-            return self.lease(endpoint, pages) if self._clock.now() < deadline else None
-        if len(reply.slots) != len(keys):
-            log.warning("peer %s answered %d slots for %d keys", endpoint, len(reply.slots), len(keys))
-            self._send_release(endpoint, reply.lease_id)
-            return None
-        slots = {page: slot for page, slot in zip(pages, reply.slots, strict=True) if slot >= 0}
-        checksums = {}
-        if self.settings.verify_bytes and len(reply.checksums) == len(keys):
-            checksums = {page: digest for page, digest in zip(pages, reply.checksums, strict=True) if digest}
+        slots: dict[tuple[str, str], int] = {}
+        digests: dict[tuple[str, str], bytes] = {}
+        limits = {name: wire.slots for name, wire in link.pools.items()}
+        for (pool, pages), granted, given in zip(asked, reply.slots, reply.digests, strict=True):
+            limit = limits[pool]
+            for page, slot, digest in zip(pages, granted, given, strict=True):
+                if 0 <= slot < limit:
+                    slots[(pool, page)] = slot
+                    digests[(pool, page)] = digest
+        total = sum(len(p) for _, p in asked)
         self._metrics.increment("kvcr_remote_leased_pages_total", len(slots))
-        self._metrics.increment("kvcr_remote_stale_pages_total", len(pages) - len(slots))
-        lease = RemoteLease(endpoint, reply.lease_id, sent_at, reply.ttl_ms / 1000, slots, checksums, link)
+        self._metrics.increment("kvcr_remote_stale_pages_total", total - len(slots))
+        lease = RemoteLease(link.endpoint, reply.lease_id, sent_at, reply.ttl_ms / 1000, slots, digests, link)
         if not slots:
-            self.release(lease)
+            lease.released = True
+            self._send_release(link, reply.lease_id)
+            return None
         return lease
 
     def release(self, lease: RemoteLease) -> None:
-        """Tell the source it may let go (best effort; the lease also expires)."""
+        """Tell the source it may let go, one-way (best effort; the lease also expires)."""
         if lease.released:
             return
         lease.released = True
-        if lease.slots:
-            self._send_release(lease.endpoint, lease.lease_id)
+        if lease.link is not None:
+            self._send_release(lease.link, lease.lease_id)
 
     # ------------------------------------------------------------------ read
 
@@ -172,13 +254,15 @@ class PeerClient:
         """Read leased pages into host slots, ``max_pages_per_read`` pages per transfer; one outcome per page.
 
         Pages are taken in order (each pool's leading pages first), so a failed transfer leaves
-        the earlier, completed ones usable.
+        the earlier, completed ones usable. The whole call has one operation deadline.
         """
         outcomes: dict[str, list[PageOutcome]] = {r.pool: [_STALE] * len(r.page_hashes) for r in requests}
         link = lease.link
         if link is None or lease.released:
             return {pool: [miss("lease released")] * len(o) for pool, o in outcomes.items()}
-        wanted: list[tuple[str, int, str, int]] = []  # (pool, index, page hash, host slot)
+        now = self._clock.now()
+        give_up = min(now + self._timing.operation_s, lease.usable_until(self._timing.lease_margin_s))
+        wanted: list[_Wanted] = []
         for request in requests:
             geometry = link.pools.get(request.pool)
             if geometry is None:
@@ -188,45 +272,26 @@ class PeerClient:
             if [r.piece_bytes for r in host] != list(geometry.pieces):
                 outcomes[request.pool] = [miss("geometry differs from the source")] * len(request.page_hashes)
                 continue
+            slots = lease.slots
             for index, (page, host_slot) in enumerate(zip(request.page_hashes, request.host_slots, strict=True)):
-                if (request.pool, page) in lease.slots:
-                    wanted.append((request.pool, index, page, host_slot))
+                src_slot = slots.get((request.pool, page))
+                if src_slot is not None:
+                    wanted.append(_Wanted(request.pool, index, page, host_slot, src_slot))
         step = self.settings.max_pages_per_read
         for start in range(0, len(wanted), step):
             chunk = wanted[start : start + step]
-            verdict = self._transfer(lease, link, self._runs(lease, link, chunk))
-            for pool, index, page, host_slot in chunk:
-                outcome = verdict
-                if verdict.restored and lease.checksums:
-                    expected = lease.checksums.get((pool, page))
-                    if expected is None or self._runner.host_checksum(pool, host_slot) != expected:
-                        outcome = failed("bytes differ from the source's checksum")
-                outcomes[pool][index] = outcome
-            if not verdict.restored:
+            results, moved = self._read_chunk(lease, link, chunk, give_up)
+            for item, outcome in zip(chunk, results, strict=True):
+                outcomes[item.pool][item.index] = outcome
+            if not moved:
                 break  # the rest stays a miss: do not pile transfers on a failing peer
         restored = sum(o.restored for outs in outcomes.values() for o in outs)
         self._metrics.increment("kvcr_restore_pages_total", restored, {"source": "remote"})
         return outcomes
 
-    def _runs(self, lease: RemoteLease, link: _Link, pages: Sequence[tuple[str, int, str, int]]) -> list[CopyRun]:
-        """Merged copy runs from the source's leased slots to our host slots, every component."""
-        pieces: dict[tuple[str, str, int], list[tuple[int, int]]] = {}
-        for pool, _, page, host_slot in pages:
-            geometry = link.pools[pool]
-            slot = lease.slots[(pool, page)]
-            for k, region in enumerate(self._runner.pool_host_regions(pool)):
-                group = pieces.setdefault((geometry.labels[k], region.label, region.piece_bytes), [])
-                group.append((region.offset(host_slot), slot * geometry.strides[k]))
-        return [
-            CopyRun(src_label, src_off, dst_label, dst_off, length)
-            for (src_label, dst_label, nbytes), pairs in pieces.items()
-            for dst_off, src_off, length in merge_runs(pairs, nbytes)
-        ]
-
     def restore(self, endpoint: str, requests: Sequence[PoolRead]) -> dict[str, list[PageOutcome]]:
         """Lease, read and release in one call."""
-        pages = [(r.pool, page) for r in requests for page in r.page_hashes]
-        lease = self.lease(endpoint, pages)
+        lease = self.lease(endpoint, [(r.pool, r.page_hashes) for r in requests])
         if lease is None:
             return {r.pool: [miss("peer unavailable")] * len(r.page_hashes) for r in requests}
         try:
@@ -234,48 +299,169 @@ class PeerClient:
         finally:
             self.release(lease)
 
-    # ------------------------------------------------------------------ internals
+    def close(self) -> None:
+        """Forget every link (their data-plane peers and control connections)."""
+        with self._lock:
+            endpoints = list(self._links)
+        for endpoint in endpoints:
+            self._forget(endpoint)
 
-    def _transfer(self, lease: RemoteLease, link: _Link, runs: list[CopyRun]) -> PageOutcome:
-        settings = self.settings
-        now = self._clock.now()
-        usable_until = lease.usable_until(settings.lease_margin_s)
-        give_up = min(now + settings.operation_s, usable_until)
-        if now >= usable_until:
-            return miss("lease expired before the read")
+    # ------------------------------------------------------------------ transfers
+
+    def _read_chunk(
+        self, lease: RemoteLease, link: _Link, chunk: list[_Wanted], give_up: float
+    ) -> tuple[list[PageOutcome], bool]:
+        """One transfer: per page its outcome, and whether the transfer itself completed."""
+        if self._clock.now() >= give_up:
+            return [miss("lease expired before the read")] * len(chunk), False
+        by_pool: dict[str, list[_Wanted]] = {}
+        for item in chunk:
+            by_pool.setdefault(item.pool, []).append(item)
+        buffers: dict[str, StagingBuffer] = {}
+        if link.staged:
+            for pool in by_pool:
+                buffer = self._staging.take(self._specs[pool])
+                if buffer is None:
+                    for taken in buffers.values():
+                        self._staging.give_back(taken)
+                    self._count_miss("no_staging", len(chunk))
+                    return [miss("no staging memory free")] * len(chunk), False
+                buffers[pool] = buffer
+        runs: list[PieceRun] = []
+        for pool, items in by_pool.items():
+            src_ids = link.pools[pool].regions
+            if link.staged:
+                dst_ids = buffers[pool].ids
+                pairs = [(item.src_slot, k) for k, item in enumerate(items)]
+            else:
+                dst_ids = self._host_ids(pool)
+                pairs = [(item.src_slot, item.host_slot) for item in items]
+            for src_first, dst_first, count in slot_runs(pairs):
+                runs.extend(
+                    PieceRun(src, src_first, dst, dst_first, count) for src, dst in zip(src_ids, dst_ids, strict=True)
+                )
+        started = self._clock.now()
+        verdict, settled = self._transfer(lease, link, runs, give_up, staged=link.staged)
+        if not verdict.restored:
+            for buffer in buffers.values():
+                if settled:
+                    self._staging.give_back(buffer)
+                else:
+                    self._staging.quarantine(buffer)  # late bytes land where nobody reads
+            return [verdict] * len(chunk), False
+        nbytes = sum(self._specs[item.pool].page_bytes for item in chunk)
+        self._learn_rate(link, nbytes, self._clock.now() - started)
+        if not link.staged:
+            return self._checked(lease, chunk, lambda item: None), True
         try:
-            handle = self._data_plane.read(link.peer, runs)
+            return self._land_staged(by_pool, buffers, lease, chunk), True
+        finally:
+            for buffer in buffers.values():
+                self._staging.give_back(buffer)
+
+    def _land_staged(
+        self,
+        by_pool: dict[str, list[_Wanted]],
+        buffers: dict[str, StagingBuffer],
+        lease: RemoteLease,
+        chunk: list[_Wanted],
+    ) -> list[PageOutcome]:
+        """Verify staged pages, then copy the good ones into their host pages."""
+        positions = {id(item): k for items in by_pool.values() for k, item in enumerate(items)}
+        outcomes = self._checked(lease, chunk, lambda item: buffers[item.pool].extents(positions[id(item)]))
+        moves: list[Move] = []
+        for item, outcome in zip(chunk, outcomes, strict=True):
+            if not outcome.restored:
+                continue
+            host = self._runner.pool_host_regions(item.pool)
+            staged = buffers[item.pool].extents(positions[id(item)])
+            moves.extend(
+                Move(r.base + item.host_slot * r.stride, address, nbytes)
+                for r, (address, nbytes) in zip(host, staged, strict=True)
+            )
+        try:
+            self._memory.copy(moves)
         except TransportError as exc:
-            log.info("read from %s refused: %s", lease.endpoint, exc)
-            self._forget(lease.endpoint)
-            return miss("peer unavailable")
+            log.warning("kvcr: copying staged pages into host pages failed: %s", exc)
+            return [failed("staged copy failed")] * len(chunk)
+        return outcomes
+
+    def _checked(
+        self,
+        lease: RemoteLease,
+        chunk: list[_Wanted],
+        staged: Callable[[_Wanted], list[tuple[int, int]] | None],
+    ) -> list[PageOutcome]:
+        """RESTORED per page, unless its delivered bytes differ from the source's digest for that key."""
+        if not self._verify:
+            return [RESTORED] * len(chunk)
+        outcomes: list[PageOutcome] = []
+        bad = 0
+        for item in chunk:
+            expected = lease.digests.get((item.pool, item.page), b"")
+            extents = staged(item)
+            if extents is None:
+                actual = self._runner.host_digest(item.pool, item.host_slot, item.page)
+            else:
+                actual = self._runner.digest_extents(item.pool, extents, item.page)
+            if expected and actual == expected:
+                outcomes.append(RESTORED)
+            else:
+                bad += 1
+                outcomes.append(failed("bytes differ from the source's digest"))
+        if bad:
+            self._metrics.increment("kvcr_verification_failures_total", bad, {"source": "remote"})
+            log.error("kvcr: %d pages read from %s failed verification; reported as misses", bad, lease.endpoint)
+        return outcomes
+
+    def _transfer(
+        self, lease: RemoteLease, link: _Link, runs: list[PieceRun], give_up: float, *, staged: bool
+    ) -> tuple[PageOutcome, bool]:
+        """Post one read and wait for it; returns (outcome, whether its destination is settled)."""
+        try:
+            handle = self._data_plane.read(link.peer.name, runs, lease=lease.lease_id)
+        except TransportError as exc:
+            log.info("kvcr: read from %s refused: %s", lease.endpoint, exc)
+            self._mark_down(lease.endpoint, "read refused")
+            return miss("peer unavailable"), True
         state = self._wait(handle, give_up)
         completed_at = self._clock.now()
         if state is TransferState.PENDING:
-            state = self._data_plane.cancel(handle)
-            if state is TransferState.UNCERTAIN or state is TransferState.PENDING:
-                state = self._wait(handle, now + settings.abandon_s)
-            if not state.terminal:
-                with self._lock:
-                    self._quarantine.append(handle)
-                self._metrics.increment("kvcr_transfers_uncertain_total")
-                log.error(
-                    "read %d from %s could not be confirmed stopped; destination pages are unsafe",
-                    handle,
-                    lease.endpoint,
-                )
-                return uncertain("transfer could not be confirmed stopped")
-            self._data_plane.release(handle)
-            self._metrics.increment("kvcr_transfers_timed_out_total")
-            # A late DONE stays a failure.
-            return failed("read would outlive the lease" if give_up == usable_until else "read timed out")
+            return self._give_up(lease, handle, staged=staged, timed_out_at=give_up)
         self._data_plane.release(handle)
         if state is not TransferState.DONE:
-            self._forget(lease.endpoint)
-            return failed(f"read {state.value}")
-        if not lease_accepts(lease.sent_at, lease.ttl_s, settings.lease_margin_s, completed_at):
-            return failed("read finished after the lease")
-        return RESTORED
+            self._mark_down(lease.endpoint, f"read {state.value}")
+            return failed(f"read {state.value}"), True
+        if not lease_accepts(lease.sent_at, lease.ttl_s, self._timing.lease_margin_s, completed_at):
+            return failed("read finished after the lease"), True
+        return RESTORED, True
+
+    def _give_up(
+        self, lease: RemoteLease, handle: int, *, staged: bool, timed_out_at: float
+    ) -> tuple[PageOutcome, bool]:
+        """A read outlived its deadline: stop it, tear the peer down if needed, and say whether it settled."""
+        expired = timed_out_at == lease.usable_until(self._timing.lease_margin_s)
+        why = failed("read would outlive the lease" if expired else "read timed out")
+        state = self._data_plane.cancel(handle)
+        if not state.terminal:
+            self._forget(lease.endpoint)  # disconnect: the strongest stop the transport has
+            self._mark_down(lease.endpoint, "a read stalled")
+            # A transport that fences on disconnect says so at once; give it a moment, no more.
+            state = self._wait(handle, self._clock.now() + 0.5 if not staged else self._clock.now())
+        self._metrics.increment("kvcr_transfers_timed_out_total")
+        if state.terminal:
+            self._data_plane.release(handle)  # a late DONE stays a failure
+            return why, True
+        with self._lock:
+            self._quarantine.append(handle)
+        self._metrics.increment("kvcr_transfers_uncertain_total")
+        if staged:
+            log.warning("kvcr: a read from %s never stopped; its staging buffer is quarantined", lease.endpoint)
+            return miss("read stalled (staged, quarantined)"), False
+        log.error(
+            "kvcr: read %d from %s could not be confirmed stopped; its host pages are unsafe", handle, lease.endpoint
+        )
+        return uncertain("transfer could not be confirmed stopped"), False
 
     def _wait(self, handle: int, until: float) -> TransferState:
         """Poll until terminal or ``until``: a burst of polls (they drive progress), then backoff."""
@@ -286,64 +472,149 @@ class PeerClient:
             if state is not TransferState.PENDING and state is not TransferState.UNCERTAIN:
                 return state
             if self._clock.now() >= until:
-                return state
+                return TransferState.PENDING if state is TransferState.UNCERTAIN else state
             spins += 1
             if spins > 64:
                 # Yield the core (a CMA read needs no progress from us); an injected clock moves on.
                 self._clock.sleep(pause)
                 pause = min(pause * 2, 200e-6)
 
+    # ------------------------------------------------------------------ links
+
     def _link(self, endpoint: str, deadline: float) -> _Link | None:
+        now = self._clock.now()
         with self._lock:
             link = self._links.get(endpoint)
             if link is not None:
+                link.last_used = now
+                self._links.move_to_end(endpoint)
                 return link
-            if self._clock.now() < self._down_until.get(endpoint, 0.0):
+            if now < self._down_until.get(endpoint, 0.0):
                 return None
-        reply = self._call(endpoint, Hello(self._runner.namespace, self._data_plane.name), deadline)
+        self._close_idle(now)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        hello = Hello(nonce, self._data_plane.name, self._incarnation, dict(self._runner.namespaces))
+        reply = self._call(endpoint, hello, nonce, deadline)
         if not isinstance(reply, HelloReply):
+            if isinstance(reply, Refused) and reply.code == RefusalCode.NAMESPACE:
+                self._mark_down(endpoint, "no pool namespace in common")
             return None
-        if reply.namespace != self._runner.namespace:
-            self._mark_down(endpoint, "namespace mismatch")
+        mine = self._runner.namespaces
+        # Checked here too: a peer that shares no namespace with us must never get a link.
+        pools = {p.name: p for p in reply.pools if mine.get(p.name) == p.namespace}
+        if not pools:
+            self._mark_down(endpoint, "no pool namespace in common")
             return None
         try:
-            peer = self._data_plane.connect(reply.data_plane)
+            timeout = min(self._timing.connect_s, max(0.0, deadline - self._clock.now()))
+            peer = self._data_plane.connect(reply.data_plane, timeout)
         except TransportError as exc:
             self._mark_down(endpoint, f"cannot connect its data plane: {exc}")
             return None
-        link = _Link(endpoint, peer, reply.incarnation, {g.pool: g for g in reply.pools})
+        landing = self.settings.landing
+        staged = landing == "staged" or (landing == "auto" and peer.late_writes)
+        link = _Link(endpoint, reply.session, reply.incarnation, peer, pools, staged, self._clock.now())
+        evicted: list[str] = []
         with self._lock:
             self._links[endpoint] = link
+            while len(self._links) > self.settings.max_links:
+                evicted.append(next(iter(self._links)))
+                self._links.pop(evicted[-1])
+        for old in evicted:
+            self._drop(old)
         return link
 
-    def _call(self, endpoint: str, request: Lease | Hello, deadline: float) -> object:
-        timeout = deadline - self._clock.now()
+    def _close_idle(self, now: float) -> None:
+        idle: list[tuple[str, _Link]] = []
+        with self._lock:
+            for endpoint, link in list(self._links.items()):
+                if now - link.last_used < self.settings.link_idle_s:
+                    break  # ordered by use: the rest are fresher
+                idle.append((endpoint, self._links.pop(endpoint)))
+        for endpoint, link in idle:
+            self._drop(endpoint, link)
+
+    def _call(self, endpoint: str, request: Hello | Lease, nonce: bytes, deadline: float) -> object:
+        """One round trip, bounded by the control deadline; None (peer marked down) on failure."""
+        timeout = min(self._timing.control_s, deadline - self._clock.now())
         if timeout <= 0:
             return None
         try:
-            frame = self._control.request(endpoint, self._codec.encode(request), timeout)
-            return self._codec.decode_reply(frame)
+            frame = self._control.request(endpoint, protocol.encode(request), timeout)
+            reply = protocol.decode(frame)
+        except protocol.FrameError:
+            self._mark_down(endpoint, "unreadable reply")
+            return None
         except PeerRefused as exc:
-            self._metrics.increment("kvcr_peer_refusals_total")
-            self._mark_down(endpoint, str(exc))
+            self._mark_down(endpoint, f"refused: {exc}")
+            return None
         except TransportError as exc:
             self._mark_down(endpoint, str(exc))
-        return None
+            return None
+        if isinstance(reply, Refused):
+            self._metrics.increment("kvcr_peer_refusals_total")
+            if reply.code != RefusalCode.UNKNOWN_SESSION:
+                self._mark_down(endpoint, f"refused ({_refusal_name(reply.code)})")
+            return reply
+        if getattr(reply, "nonce", None) != nonce:
+            # A reply to another request (or a replayed one): never act on it.
+            self._metrics.increment("kvcr_peer_replies_unbound_total")
+            self._mark_down(endpoint, "reply does not answer our request")
+            return None
+        return reply
 
-    def _send_release(self, endpoint: str, lease_id: int) -> None:
-        with contextlib.suppress(TransportError):  # the lease expires on the source anyway
-            self._control.request(endpoint, self._codec.encode(Release(lease_id)), 0.5)
+    def _send_release(self, link: _Link, lease_id: int) -> None:
+        if lease_id:
+            self._control.send(link.endpoint, protocol.encode(protocol.Release(link.session, [lease_id])))
 
     def _mark_down(self, endpoint: str, why: str) -> None:
-        log.info("peer %s unusable for %.1fs: %s", endpoint, self.settings.retry_after_s, why)
+        log.info("kvcr: peer %s skipped for %.1fs: %s", endpoint, self._timing.retry_after_s, why)
         self._metrics.increment("kvcr_peer_failures_total")
         with self._lock:
-            self._links.pop(endpoint, None)
-            self._down_until[endpoint] = self._clock.now() + self.settings.retry_after_s
+            link = self._links.pop(endpoint, None)
+            self._down_until[endpoint] = self._clock.now() + self._timing.retry_after_s
+            if len(self._down_until) > 4 * self.settings.max_links:
+                now = self._clock.now()
+                self._down_until = {e: t for e, t in self._down_until.items() if t > now}
+        if link is not None:
+            self._drop(endpoint, link)
 
     def _forget(self, endpoint: str) -> None:
         with self._lock:
             link = self._links.pop(endpoint, None)
         if link is not None:
+            self._drop(endpoint, link)
+
+    def _drop(self, endpoint: str, link: _Link | None = None) -> None:
+        if link is not None:
             with contextlib.suppress(TransportError):
-                self._data_plane.disconnect(link.peer)
+                self._data_plane.disconnect(link.peer.name)
+        self._control.forget(endpoint)
+
+    # ------------------------------------------------------------------ estimates
+
+    def _learn_rate(self, link: _Link, nbytes: int, elapsed: float) -> None:
+        if elapsed <= 0 or nbytes <= 0:
+            return
+        rate = nbytes / elapsed
+        link.bytes_per_s = rate if not link.bytes_per_s else (1 - _RATE_WEIGHT) * link.bytes_per_s + _RATE_WEIGHT * rate
+
+    def _slower_than_recompute(self, link: _Link, asked: list[tuple[str, list[str]]]) -> bool:
+        settings = self.settings
+        if settings.recompute_tokens_per_s <= 0 or settings.tokens_per_page <= 0 or not link.bytes_per_s:
+            return False
+        pages = max(len(p) for _, p in asked)
+        nbytes = sum(self._specs[pool].page_bytes * len(p) for pool, p in asked)
+        transfer_s = nbytes / link.bytes_per_s
+        recompute_s = pages * settings.tokens_per_page / settings.recompute_tokens_per_s
+        return transfer_s > recompute_s
+
+    def _count_miss(self, reason: str, pages: int) -> None:
+        self._metrics.increment("kvcr_remote_misses_total", pages, {"reason": reason})
+
+
+def _refusal_name(code: int) -> str:
+    try:
+        return RefusalCode(code).name.lower()
+    except ValueError:
+        return "unknown"

@@ -1,31 +1,40 @@
-"""The source side of the peer protocol: answers HELLO, LEASE, RELEASE and PING.
+"""The source side of the peer protocol: answers HELLO and LEASE, takes RELEASE.
 
-It runs on the control channel's own thread, so an idle engine keeps serving. It never touches
-bytes: a peer reads leased slots one-sidedly through the data plane. Every failure becomes a
-REFUSED reply (never an exception on the server thread); a peer that fails version or auth
-checks gets neither data-plane metadata nor leases.
+It runs on the control channel's own thread, so an idle engine keeps serving, and never touches
+bytes: a peer reads leased slots through the data plane. HELLO opens a *session*: the pools whose
+namespaces match, numbered for the link, and the data-plane description (exposed regions only).
+LEASE names that session, so a peer of another namespace can never lease under ours. Every
+failure becomes a REFUSED reply with a code from a closed set (never an exception on the server
+thread, never the peer's own text echoed back); refusals are counted by code.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
+import threading
+import time
 import uuid
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from kvcr.ports.dataplane import DataPlane
+from kvcr.domain.layout import PieceRun
+from kvcr.ports.dataplane import DataPlane, GuardedReads, PeerActivity
 from kvcr.ports.metrics import Metrics
+from kvcr.runner import protocol
 from kvcr.runner.protocol import (
-    MAX_LEASE_KEYS,
-    Ack,
-    Codec,
+    MAX_LEASE_PAGES,
+    MAX_POOLS,
+    MAX_RELEASE_IDS,
+    NONCE_BYTES,
     FrameError,
     Hello,
     HelloReply,
     Lease,
     LeaseReply,
-    Message,
-    Ping,
-    Pong,
-    PoolGeometryWire,
+    PoolWire,
+    RefusalCode,
     Refused,
     Release,
 )
@@ -33,71 +42,179 @@ from kvcr.runner.runner import KvcrRunner
 
 log = logging.getLogger(__name__)
 
+MAX_SESSIONS = 4096
+MAX_NONCES = 1 << 16  # per session, and for HELLOs: past this a session is dropped (the peer says HELLO again)
+_LOG_EVERY_S = 10.0
+
+
+@dataclass
+class _Session:
+    sender: str
+    pools: dict[int, str]  # pool id on this link -> pool name
+    leases: set[int] = field(default_factory=set)
+    nonces: set[bytes] = field(default_factory=set)
+
 
 class PeerServer:
-    """Serves this runner's kvcr DRAM to peers under leases."""
+    """Serves this runner's kvcr DRAM to peers under leases.
 
-    def __init__(self, runner: KvcrRunner, data_plane: DataPlane, codec: Codec, metrics: Metrics) -> None:
+    Args:
+        arena_ids: per physical pool, the data-plane region id of each component's arena region.
+    """
+
+    def __init__(
+        self,
+        runner: KvcrRunner,
+        data_plane: DataPlane,
+        arena_ids: Mapping[str, Sequence[int]],
+        metrics: Metrics,
+    ) -> None:
         self._runner = runner
         self._data_plane = data_plane
-        self._codec = codec
         self._metrics = metrics
         self.incarnation = uuid.uuid4().hex
-        self._pools = [
-            PoolGeometryWire(
-                pool=pool,
-                labels=[r.label for r in regions],
-                strides=[r.stride for r in regions],
-                pieces=[r.piece_bytes for r in regions],
-                slots=regions[0].count,
-            )
-            for pool, regions in runner.pool_arenas().items()
-        ]
+        self._lock = threading.Lock()
+        self._sessions: OrderedDict[int, _Session] = OrderedDict()
+        self._closing = False
+        self._last_log = 0.0
+        self._hello_nonces: OrderedDict[bytes, None] = OrderedDict()
+        arenas = runner.pool_arenas()
+        self._pools: list[PoolWire] = []
+        self._region_pool: dict[int, str] = {}
+        for pool_id, (name, regions) in enumerate(sorted(arenas.items())):
+            ids = list(arena_ids[name])
+            namespace = runner.namespaces[name]
+            pieces = [r.piece_bytes for r in regions]
+            self._pools.append(PoolWire(pool_id, name, namespace, ids, pieces, regions[0].count))
+            self._region_pool.update(dict.fromkeys(ids, name))
+        self._activity = data_plane if isinstance(data_plane, PeerActivity) else None
+        if isinstance(data_plane, GuardedReads):
+            data_plane.guard_reads(self._covered)
 
-    def handle(self, frame: bytes) -> bytes:
-        """Answer one request frame with one reply frame; never raises."""
+    def close_to_new_work(self) -> None:
+        """Refuse HELLO and LEASE from now on (shutdown); RELEASE keeps working."""
+        with self._lock:
+            self._closing = True
+
+    def handle(self, frame: bytes) -> bytes | None:
+        """Answer one request frame with one reply frame (None for one-way messages); never raises."""
         try:
-            request = self._codec.decode(frame)
+            request = protocol.decode(frame)
         except FrameError as exc:
-            self._metrics.increment("kvcr_peer_refused_total", labels={"reason": _reason_label(exc.reason)})
-            return self._codec.refusal(exc.reason)
+            return self._refuse(b"", exc.code)
         try:
-            reply = self._dispatch(request)
-        except Exception as exc:  # a bug must not kill the server thread; the peer sees a refusal
-            log.exception("peer request %s failed", type(request).__name__)
-            reply = Refused(f"internal error: {type(exc).__name__}")
-        return self._codec.encode(reply)
+            if isinstance(request, Release):
+                self._release(request)
+                return None
+            if isinstance(request, Hello):
+                return protocol.encode(self._hello(request))
+            if isinstance(request, Lease):
+                return protocol.encode(self._lease(request))
+            return self._refuse(b"", RefusalCode.MALFORMED)
+        except Exception:  # a bug must not kill the server thread; the peer sees a refusal
+            log.exception("kvcr peer server: %s failed", type(request).__name__)
+            return self._refuse(getattr(request, "nonce", b""), RefusalCode.INTERNAL)
 
-    def _dispatch(self, request: Message) -> Message:
-        runner = self._runner
-        if isinstance(request, Hello):
-            if request.namespace != runner.namespace:
-                self._metrics.increment("kvcr_peer_refused_total", labels={"reason": "namespace"})
-                return Refused(f"namespace {request.namespace} is not {runner.namespace}")
-            return HelloReply(runner.namespace, self.incarnation, self._data_plane.describe(), self._pools)
-        if isinstance(request, Lease):
-            if len(request.keys) > MAX_LEASE_KEYS:
-                return Refused(f"lease of {len(request.keys)} keys exceeds {MAX_LEASE_KEYS}")
-            if request.renew_id:
-                ttl = runner.renew_lease(request.renew_id, request.lease_ms / 1000)
-                if not ttl:
-                    return Refused("lease expired")
-                return LeaseReply(request.renew_id, [], round(ttl * 1000), self.incarnation)
-            grant = runner.lease(request.keys, request.lease_ms / 1000)
-            checksums = runner.checksums(request.keys, grant.slots) if request.checksums else []
-            return LeaseReply(grant.lease_id, list(grant.slots), round(grant.ttl_s * 1000), self.incarnation, checksums)
-        if isinstance(request, Release):
-            runner.release_lease(request.lease_id)
-            return Ack()
-        if isinstance(request, Ping):
-            runner.expire_leases()
-            return Pong(self.incarnation)
-        return Refused(f"unexpected {type(request).__name__}")
+    # ------------------------------------------------------------------ messages
 
+    def _hello(self, request: Hello) -> HelloReply | Refused:
+        if self._closing:
+            return self._refusal(request.nonce, RefusalCode.CLOSING)
+        if len(request.namespaces) > MAX_POOLS:
+            return self._refusal(request.nonce, RefusalCode.TOO_LARGE)
+        pools = [p for p in self._pools if request.namespaces.get(p.name) == p.namespace]
+        if not pools:
+            # Neither side's namespace text goes back: the peer learns only that nothing matched.
+            return self._refusal(request.nonce, RefusalCode.NAMESPACE)
+        session_id = secrets.randbits(63) | 1
+        with self._lock:
+            if request.nonce in self._hello_nonces or len(request.nonce) != NONCE_BYTES:
+                replayed = True
+            else:
+                replayed = False
+                self._hello_nonces[request.nonce] = None
+                while len(self._hello_nonces) > MAX_NONCES:
+                    self._hello_nonces.popitem(last=False)
+                self._sessions[session_id] = _Session(request.sender[:128], {p.pool_id: p.name for p in pools})
+            while len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+        if replayed:
+            return self._refusal(request.nonce, RefusalCode.REPLAYED)
+        self._expect_reads()
+        lease_ms = round(self._runner.config.timing.lease_s * 1000)
+        return HelloReply(request.nonce, session_id, self.incarnation, self._data_plane.describe(), pools, lease_ms)
 
-def _reason_label(reason: str) -> str:
-    if "authentication" in reason:
-        return "auth"
-    if "version" in reason:
-        return "version"
-    return "malformed"
+    def _lease(self, request: Lease) -> LeaseReply | Refused:
+        if self._closing:
+            return self._refusal(request.nonce, RefusalCode.CLOSING)
+        replayed = False
+        with self._lock:
+            session = self._sessions.get(request.session)
+            if session is not None:
+                self._sessions.move_to_end(request.session)
+                replayed = request.nonce in session.nonces or len(request.nonce) != NONCE_BYTES
+                if not replayed:
+                    session.nonces.add(request.nonce)
+                    if len(session.nonces) > MAX_NONCES:
+                        del self._sessions[request.session]  # the peer opens a fresh session
+        if session is None:
+            return self._refusal(request.nonce, RefusalCode.UNKNOWN_SESSION)
+        if replayed:
+            return self._refusal(request.nonce, RefusalCode.REPLAYED)
+        if len(request.pages) > MAX_POOLS or sum(len(pages) for _, pages in request.pages) > MAX_LEASE_PAGES:
+            return self._refusal(request.nonce, RefusalCode.TOO_LARGE)
+        wanted: list[tuple[str, list[str]]] = []
+        for pool_id, pages in request.pages:
+            name = session.pools.get(pool_id)
+            wanted.append((name if name is not None else "", pages))  # "" is no pool: all -1
+        grant = self._runner.lease(wanted, max(0, request.lease_ms) / 1000)
+        if grant.lease_id:
+            with self._lock:
+                session.leases.add(grant.lease_id)
+            self._expect_reads()
+        return LeaseReply(
+            request.nonce,
+            grant.lease_id,
+            round(grant.ttl_s * 1000),
+            [list(s) for s in grant.slots],
+            [list(d) for d in grant.digests],
+        )
+
+    def _release(self, request: Release) -> None:
+        with self._lock:
+            session = self._sessions.get(request.session)
+            if session is None:
+                return
+            ids = [i for i in request.lease_ids[:MAX_RELEASE_IDS] if i in session.leases]
+            session.leases.difference_update(ids)
+        for lease_id in ids:
+            self._runner.release_lease(lease_id)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _covered(self, lease_id: int, runs: Sequence[PieceRun]) -> bool:
+        """Guard for two-sided transports: every piece a peer asks for is under its live lease."""
+        held = self._runner.leased_slots(lease_id)
+        if held is None:
+            return False
+        for run in runs:
+            pool = self._region_pool.get(run.src)
+            slots = held.get(pool) if pool is not None else None
+            if slots is None or any(s not in slots for s in range(run.src_first, run.src_first + run.count)):
+                return False
+        return True
+
+    def _expect_reads(self) -> None:
+        if self._activity is not None:
+            self._activity.expect_reads(self._runner.config.timing.lease_s)
+
+    def _refusal(self, nonce: bytes, code: RefusalCode) -> Refused:
+        self._metrics.increment("kvcr_peer_refused_total", labels={"reason": code.name.lower()})
+        now = time.monotonic()
+        if now - self._last_log >= _LOG_EVERY_S:  # refusals are peer-driven: never one line each
+            self._last_log = now
+            log.info("kvcr peer server refused a request: %s", code.name.lower())
+        return Refused(nonce, int(code))
+
+    def _refuse(self, nonce: bytes, code: RefusalCode) -> bytes:
+        return protocol.encode(self._refusal(nonce, code))

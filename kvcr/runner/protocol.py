@@ -1,161 +1,139 @@
-"""The peer protocol: versioned, optionally authenticated request/reply messages.
+"""The peer protocol: versioned request/reply messages, bound to a session and a request nonce.
 
-A frame is a msgpack array ``["kvcr-peer", version, body, mac]``; ``body`` is one msgpack-encoded
-message below and ``mac`` is HMAC-SHA256(cluster token, body) when a token is configured (empty
-otherwise). The version and the MAC are checked before the body is decoded, so a peer speaking
-another version or holding another token learns nothing but a refusal.
+A frame is a msgpack array ``["kvcr-peer", version, body]``; ``body`` is one msgpack-encoded
+message below. The version is checked before the body is decoded. Authentication and secrecy
+are the control channel's job (ZMQ CURVE keyed from the cluster token): a peer without the
+token never gets a frame to us. On top of that every request carries a fresh random nonce that
+its reply echoes, so a reply can never answer another request; the source refuses a nonce it has
+seen before (a replayed frame gets nothing); and a lease request names the session its HELLO
+opened, so namespaces are compared once per link, not per page.
 
-    target                                source
-      HELLO(namespace, sender)      ->      HELLO_REPLY(namespace, data plane, pool geometry)
-      LEASE(block keys, lease_ms)   ->      LEASE_REPLY(lease id, slot per key or -1, ttl)
-      (one-sided data-plane READ of the granted slots, no source involvement)
-      RELEASE(lease id)             ->      ACK
-      PING                          ->      PONG(incarnation)
-    any request                     ->      REFUSED(reason) on version, auth or namespace failure
+    target                                           source
+      HELLO(nonce, sender, incarnation,
+            {pool: namespace digest})         ->     HELLO_REPLY(nonce, session, incarnation,
+                                                       data plane description, matching pools)
+      LEASE(nonce, session, lease_ms,
+            [(pool id, [page hash ...]) ...]) ->     LEASE_REPLY(nonce, lease id, ttl,
+                                                       per pool: slot or -1, digest)
+      (data-plane READ of the granted slots; the source takes no part on one-sided transports)
+      RELEASE(session, [lease id ...])        ->     (one-way: nothing comes back)
+    any request                               ->     REFUSED(nonce, code) on version, session,
+                                                       namespace, size or shutdown
 """
 
 from __future__ import annotations
 
-import hmac
-from hashlib import sha256
+import enum
 
 import msgspec
 
-from kvcr.ports.errors import PeerRefused
-
 MAGIC = "kvcr-peer"
-PROTOCOL_VERSION = 1
-MAX_LEASE_KEYS = 65536
+PROTOCOL_VERSION = 2
+MAX_LEASE_PAGES = 4096  # per LEASE: 32 read batches of 128 pages; more is refused, not served slowly
+MAX_RELEASE_IDS = 1024
+MAX_POOLS = 64
+NONCE_BYTES = 16
 
 
-class PoolGeometryWire(msgspec.Struct, array_like=True, frozen=True):
-    """One pool's arena as a peer sees it: component region labels, strides and piece sizes."""
+class RefusalCode(enum.IntEnum):
+    """Why a request was refused: a closed set, so nothing a peer sends is ever echoed back."""
 
-    pool: str
-    labels: list[str]
-    strides: list[int]
+    MALFORMED = 1
+    VERSION = 2
+    NAMESPACE = 3
+    UNKNOWN_SESSION = 4
+    TOO_LARGE = 5
+    CLOSING = 6
+    INTERNAL = 7
+    REPLAYED = 8
+
+
+class PoolWire(msgspec.Struct, array_like=True, frozen=True):
+    """One pool a link may lease from: its id on this link, namespace, region id per component, sizes."""
+
+    pool_id: int
+    name: str
+    namespace: str
+    regions: list[int]
     pieces: list[int]
     slots: int
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True, frozen=True):
-    namespace: str
+    nonce: bytes
     sender: str
+    incarnation: str
+    namespaces: dict[str, str]  # pool name -> namespace digest
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply", array_like=True, frozen=True):
-    namespace: str
+    nonce: bytes
+    session: int
     incarnation: str
     data_plane: bytes
-    pools: list[PoolGeometryWire]
+    pools: list[PoolWire]  # only pools whose namespace matched
+    max_lease_ms: int
 
 
 class Lease(msgspec.Struct, tag="lease", array_like=True, frozen=True):
-    keys: list[str]
+    nonce: bytes
+    session: int
     lease_ms: int
-    renew_id: int = 0
-    checksums: bool = False
+    pages: list[tuple[int, list[str]]]  # (pool id, page hashes)
 
 
 class LeaseReply(msgspec.Struct, tag="lease_reply", array_like=True, frozen=True):
-    lease_id: int
-    slots: list[int]  # per requested key: the slot index in that key's pool arena, or -1
+    nonce: bytes
+    lease_id: int  # 0: nothing granted
     ttl_ms: int
-    incarnation: str
-    checksums: list[bytes] = []  # per requested key when asked for: digest of its pieces
+    slots: list[list[int]]  # per requested pool, per page: slot in that pool's arena, or -1
+    digests: list[list[bytes]]  # per requested pool, per page: the page's digest (empty if none)
 
 
 class Release(msgspec.Struct, tag="release", array_like=True, frozen=True):
-    lease_id: int
-
-
-class Ack(msgspec.Struct, tag="ack", array_like=True, frozen=True):
-    pass
-
-
-class Ping(msgspec.Struct, tag="ping", array_like=True, frozen=True):
-    pass
-
-
-class Pong(msgspec.Struct, tag="pong", array_like=True, frozen=True):
-    incarnation: str
+    session: int
+    lease_ids: list[int]
 
 
 class Refused(msgspec.Struct, tag="refused", array_like=True, frozen=True):
-    reason: str
+    nonce: bytes
+    code: int
 
 
-Message = Hello | HelloReply | Lease | LeaseReply | Release | Ack | Ping | Pong | Refused
+Message = Hello | HelloReply | Lease | LeaseReply | Release | Refused
 
 _encoder = msgspec.msgpack.Encoder()
 _body_decoder = msgspec.msgpack.Decoder(Message)
-_frame_decoder = msgspec.msgpack.Decoder(tuple[str, int, bytes, bytes])
+_frame_decoder = msgspec.msgpack.Decoder(tuple[str, int, bytes])
 
 
 class FrameError(Exception):
-    """A frame could not be accepted; ``reason`` is safe to send back to the peer."""
+    """A frame could not be accepted; ``code`` says why, from a closed set."""
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class Codec:
-    """Encodes and checks frames for one cluster token (None: unauthenticated cluster)."""
-
-    def __init__(self, token: bytes | None) -> None:
-        self._token = token
-
-    def _mac(self, body: bytes) -> bytes:
-        if self._token is None:
-            return b""
-        return hmac.new(self._token, body, sha256).digest()
-
-    def encode(self, message: Message) -> bytes:
-        body = _encoder.encode(message)
-        return _encoder.encode((MAGIC, PROTOCOL_VERSION, body, self._mac(body)))
-
-    def decode(self, frame: bytes) -> Message:
-        """Check magic, version and MAC, then decode the body.
-
-        Raises:
-            FrameError: the frame is malformed, of another version, or fails authentication.
-        """
-        try:
-            magic, version, body, mac = _frame_decoder.decode(frame)
-        except msgspec.DecodeError as exc:
-            raise FrameError("malformed frame") from exc
-        if magic != MAGIC:
-            raise FrameError("not a kvcr peer frame")
-        if version != PROTOCOL_VERSION:
-            raise FrameError(f"protocol version {version} is not {PROTOCOL_VERSION}")
-        if self._token is not None and not hmac.compare_digest(mac, self._mac(body)):
-            raise FrameError("authentication failed")
-        try:
-            return _body_decoder.decode(body)
-        except msgspec.DecodeError as exc:
-            raise FrameError("malformed message") from exc
-
-    def decode_reply(self, frame: bytes) -> Message:
-        """Decode a reply; a REFUSED reply or an unreadable one raises PeerRefused."""
-        try:
-            message = self.decode(frame)
-        except FrameError as exc:
-            # A refusal from a peer with another token is unsigned: read it only to explain.
-            raise PeerRefused(f"unusable reply: {exc.reason}{_peek_refusal(frame)}") from exc
-        if isinstance(message, Refused):
-            raise PeerRefused(f"peer refused: {message.reason}")
-        return message
-
-    def refusal(self, reason: str) -> bytes:
-        """A REFUSED frame (signed when we have a token)."""
-        return self.encode(Refused(reason))
+    def __init__(self, code: RefusalCode) -> None:
+        super().__init__(code.name.lower())
+        self.code = code
 
 
-def _peek_refusal(frame: bytes) -> str:
+def encode(message: Message) -> bytes:
+    return _encoder.encode((MAGIC, PROTOCOL_VERSION, _encoder.encode(message)))
+
+
+def decode(frame: bytes) -> Message:
+    """Check magic and version, then decode the body.
+
+    Raises:
+        FrameError: the frame is malformed or of another version.
+    """
     try:
-        _, _, body, _ = _frame_decoder.decode(frame)
-        message = _body_decoder.decode(body)
-    except (msgspec.DecodeError, ValueError):
-        return ""
-    return f" (peer said: {message.reason})" if isinstance(message, Refused) else ""
+        magic, version, body = _frame_decoder.decode(frame)
+    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+        raise FrameError(RefusalCode.MALFORMED) from exc
+    if magic != MAGIC:
+        raise FrameError(RefusalCode.MALFORMED)
+    if version != PROTOCOL_VERSION:
+        raise FrameError(RefusalCode.VERSION)
+    try:
+        return _body_decoder.decode(body)
+    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+        raise FrameError(RefusalCode.MALFORMED) from exc

@@ -6,12 +6,17 @@ filled is FILLING (invisible to readers, never evicted), a slot being read is cl
 evicted or reused). Memory and peers are reached only through ports.
 
 Per page, a backup is all-or-nothing: a page becomes READY only after every component's piece
-was copied; a failed copy frees the page's slot and reports it unstored.
+was copied; a failed copy frees the page's slot and reports it unstored. With ``verify_bytes`` a
+page also gets a digest, bound to its key and namespace, computed from the bytes kvcr just copied
+into its own memory and kept in the index (never in memory a peer can reach). Every delivery is
+checked against it: a local restore hashes what it wrote into the host page, a peer hashes what
+it read. Bytes that changed in the arena behind kvcr's back are therefore never served.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import secrets
 import threading
@@ -19,15 +24,15 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvcr.domain.errors import ClosedError, DeadlineExceeded, InvalidKeyError, KvcrError, LayoutError
+from kvcr.domain.errors import ClosedError, ConfigError, DeadlineExceeded, KvcrError, LayoutError
 from kvcr.domain.eviction import POLICIES, EvictionPolicy
-from kvcr.domain.keys import BlockKey, check_page_hash
-from kvcr.domain.layout import RegionDescriptor, check_disjoint, merge_runs
+from kvcr.domain.keys import check_page_hash
+from kvcr.domain.layout import RegionDescriptor, check_disjoint, slot_runs
 from kvcr.domain.outcomes import RESTORED, PageOutcome, failed, miss
 from kvcr.domain.pools import PoolSpec
 from kvcr.domain.residency import Lease, SlotState, check_transition
 from kvcr.ports.clock import Clock
-from kvcr.ports.errors import MemoryCopyError
+from kvcr.ports.errors import MemoryCopyError, RegistrationError
 from kvcr.ports.inventory import InventoryEvent, InventoryKind, InventorySink
 from kvcr.ports.memory import HostMemory, Move
 from kvcr.ports.metrics import Metrics
@@ -41,32 +46,38 @@ _FILLING = SlotState.FILLING
 _DISCARDING = SlotState.DISCARDING
 _FREE = SlotState.FREE
 _NOT_HELD = miss("not held")
+_CORRUPT = failed("bytes differ from their backup digest")
 
 
 class _Entry:
     """One resident (or arriving) page of one pool."""
 
-    __slots__ = ("claims", "parent", "slot", "state")
+    __slots__ = ("claims", "digest", "leased", "parent", "slot", "state")
 
     def __init__(self, slot: int, state: SlotState, parent: str | None) -> None:
         self.slot = slot
         self.state = state
         self.claims = 0
+        self.leased = 0  # the claims that are peers' leases
         self.parent = parent
+        self.digest = b""
 
 
 class _Pool:
-    """A pool's arena, host regions, index and eviction order."""
+    """A pool's arena, host regions, index, eviction order and namespace."""
 
-    __slots__ = ("arena", "detached", "entries", "host", "policy", "spec")
+    __slots__ = ("arena", "detached", "entries", "host", "lease_cap", "leased", "namespace", "policy", "spec")
 
-    def __init__(self, spec: PoolSpec, arena: Arena | None, policy: EvictionPolicy) -> None:
+    def __init__(self, spec: PoolSpec, arena: Arena | None, policy: EvictionPolicy, namespace: str) -> None:
         self.spec = spec
         self.arena = arena
         self.host: tuple[RegionDescriptor, ...] | None = None
         self.entries: dict[str, _Entry] = {}
         self.policy = policy
+        self.namespace = namespace
         self.detached = 0  # DISCARDING pages already dropped from the index, still owning a slot
+        self.leased = 0  # pages held by at least one peer lease
+        self.lease_cap = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +91,10 @@ class PoolStats:
     claimed: int
     page_bytes: int
 
+    def as_dict(self) -> dict[str, int | str]:
+        """Plain values for stats pages and JSON."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
 
 @dataclass(frozen=True, slots=True)
 class RunnerStats:
@@ -91,10 +106,14 @@ class RunnerStats:
 
 @dataclass(frozen=True, slots=True)
 class LeaseGrant:
-    """What a source granted: a lease id, per requested key its slot (or -1), and the TTL."""
+    """What a source granted: a lease id, per requested pool and page its slot (or -1) and digest, the TTL.
+
+    ``lease_id`` is 0 when nothing was granted (no lease is held then).
+    """
 
     lease_id: int
-    slots: tuple[int, ...]
+    slots: tuple[tuple[int, ...], ...]
+    digests: tuple[tuple[bytes, ...], ...]
     ttl_s: float
 
 
@@ -102,6 +121,9 @@ class LeaseGrant:
 class _HeldLease:
     lease: Lease
     claims: list[tuple[_Pool, _Entry]]
+
+
+_MISSING_SLOT = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +147,10 @@ class KvcrRunner:
         inventory: InventorySink,
     ) -> None:
         self.config = config
-        self.namespace = config.namespace.digest()
+        self.namespaces = config.namespaces()
+        # One digest naming the whole replica's key space, for logs and stats pages.
+        self.namespace = hashlib.sha256(repr(sorted(self.namespaces.items())).encode()).hexdigest()[:16]
+        self._verify = config.verify_bytes
         self._memory = memory
         self._clock = clock
         self._metrics = metrics
@@ -134,20 +159,31 @@ class KvcrRunner:
         self._quiet = threading.Condition(self._lock)
         self._inflight = 0
         self._closed = False
+        self._leasing = True
         self._leases: dict[int, _HeldLease] = {}
-        # Lease ids start at a random point so a restarted source never honours an old id.
-        self._next_lease = secrets.randbits(62) + 1
         policy_type = POLICIES[config.policy]
         slots = config.slots_per_pool()
         self._pools: dict[str, _Pool] = {}
         try:
             for spec in config.pools:
-                arena = Arena(spec, slots[spec.name], memory) if spec.physical else None
-                self._pools[spec.name] = _Pool(spec, arena, policy_type())
+                arena = self._arena(spec, slots[spec.name]) if spec.physical else None
+                state = _Pool(spec, arena, policy_type(), self.namespaces.get(spec.name, ""))
+                if arena is not None:
+                    state.lease_cap = max(1, int(arena.slots * config.max_leased_fraction))
+                self._pools[spec.name] = state
         except BaseException:
             self._release_arenas()
             raise
         check_disjoint([r for p in self._pools.values() if p.arena for r in p.arena.regions])
+
+    def _arena(self, spec: PoolSpec, slots: int) -> Arena:
+        try:
+            return Arena(spec, slots, self._memory)
+        except RegistrationError as exc:
+            raise ConfigError(
+                f"dram_bytes: cannot allocate {slots * spec.page_bytes} bytes for pool {spec.name!r} "
+                f"({exc}); lower dram_bytes"
+            ) from exc
 
     # ------------------------------------------------------------------ registration
 
@@ -167,23 +203,15 @@ class KvcrRunner:
         """The registered host regions of ``pool`` (LayoutError when none)."""
         return self._host(self._physical(pool))
 
-    def checksums(self, block_keys: Sequence[str], slots: Sequence[int]) -> list[bytes]:
-        """Digests of leased pages (``slots`` as granted; -1 gives an empty digest)."""
-        digests = []
-        for text, slot in zip(block_keys, slots, strict=True):
-            if slot < 0:
-                digests.append(b"")
-                continue
-            arena = self._pools[BlockKey.parse(text).pool].arena
-            assert arena is not None  # a granted slot belongs to a physical pool
-            regions = arena.regions
-            digests.append(self._memory.checksum([(r.address(slot), r.piece_bytes) for r in regions]))
-        return digests
+    def host_digest(self, pool: str, host_slot: int, page_hash: str) -> bytes:
+        """Digest of one host page across its components, bound to the page's key (what a peer's digest vouches for)."""
+        state = self._physical(pool)
+        regions = self._host(state)
+        return self._memory.digest([(r.address(host_slot), r.piece_bytes) for r in regions], _seed(state, page_hash))
 
-    def host_checksum(self, pool: str, host_slot: int) -> bytes:
-        """Digest of one host page across its components (to compare with a source checksum)."""
-        regions = self.pool_host_regions(pool)
-        return self._memory.checksum([(r.address(host_slot), r.piece_bytes) for r in regions])
+    def digest_extents(self, pool: str, extents: Sequence[tuple[int, int]], page_hash: str) -> bytes:
+        """Digest of a page whose components sit at ``extents`` (staging memory), bound to its key."""
+        return self._memory.digest(extents, _seed(self._physical(pool), page_hash))
 
     def host_regions(self) -> tuple[RegionDescriptor, ...]:
         """Every registered host region (where restores land)."""
@@ -222,10 +250,6 @@ class KvcrRunner:
             check_disjoint([*others, *new, *self.arena_regions()])
             state.host = new
         return new
-
-    def block_key(self, pool: str, page_hash: str) -> BlockKey:
-        """The block key of one pool's bytes of a page in this runner's namespace."""
-        return BlockKey(page_hash, self.namespace, pool)
 
     # ------------------------------------------------------------------ operations
 
@@ -281,7 +305,7 @@ class KvcrRunner:
     ) -> list[bool]:
         if parent is not None:
             check_page_hash(parent)
-        deadline = self._clock.now() + self.config.budget.operation_s
+        deadline = self._clock.now() + self.config.timing.operation_s
         results = [False] * len(page_hashes)
         fills: list[tuple[int, str, _Entry]] = []
         with self._locked(deadline):
@@ -316,6 +340,8 @@ class KvcrRunner:
         try:
             if fills:
                 self._memory.copy(plan([(i, e) for i, _, e in fills]))
+                if self._verify:
+                    self._seal(state, fills)
             copied = True
         except MemoryCopyError as exc:
             log.warning("backup of %d pages of pool %s failed: %s", len(fills), state.spec.name, exc)
@@ -325,6 +351,16 @@ class KvcrRunner:
                 self._inflight -= 1
                 self._quiet.notify_all()
         return results
+
+    def _seal(self, state: _Pool, fills: list[tuple[int, str, _Entry]]) -> None:
+        """Digest every freshly copied page from kvcr's own copy (FILLING: nobody else reads it yet)."""
+        arena = state.arena
+        assert arena is not None
+        regions = arena.regions
+        digest = self._memory.digest
+        for _, page, entry in fills:
+            slot = entry.slot
+            entry.digest = digest([(r.base + slot * r.stride, r.piece_bytes) for r in regions], _seed(state, page))
 
     def exists(self, pool: str, page_hashes: Sequence[str]) -> list[bool]:
         """Per page, whether it is READY in kvcr DRAM now."""
@@ -370,6 +406,7 @@ class KvcrRunner:
             state,
             page_hashes,
             lambda claimed: self._moves(host, arena.regions, [(host_slots[i], e.slot) for i, e in claimed]),
+            lambda i: [(r.base + host_slots[i] * r.stride, r.piece_bytes) for r in host],
             prefix_only,
         )
 
@@ -390,6 +427,7 @@ class KvcrRunner:
                 for _, e in claimed
                 for r, dst in zip(arena.regions, destinations, strict=True)
             ],
+            lambda _: [(dst, r.piece_bytes) for r, dst in zip(arena.regions, destinations, strict=True)],
             False,
         )[0].restored
 
@@ -398,9 +436,10 @@ class KvcrRunner:
         state: _Pool,
         page_hashes: Sequence[str],
         plan: Callable[[list[tuple[int, _Entry]]], list[Move]],
+        delivered: Callable[[int], Sequence[tuple[int, int]]],
         prefix_only: bool,
     ) -> list[PageOutcome]:
-        deadline = self._clock.now() + self.config.budget.operation_s
+        deadline = self._clock.now() + self.config.timing.operation_s
         outcomes: list[PageOutcome] = [_NOT_HELD] * len(page_hashes)
         claimed: list[tuple[int, _Entry]] = []
         with self._locked(deadline):
@@ -422,78 +461,138 @@ class KvcrRunner:
                 state.policy.touch(self._aligned(state, hits))
             self._inflight += 1
         copied = False
+        corrupt: list[int] = []
         try:
             if claimed:
                 self._memory.copy(plan(claimed))
+                if self._verify:
+                    corrupt = self._check_delivered(state, page_hashes, claimed, delivered)
             copied = True
         except MemoryCopyError as exc:
             log.warning("restore of %d pages of pool %s failed: %s", len(claimed), state.spec.name, exc)
         finally:
             with self._lock:
                 outcome = RESTORED if copied else failed("local copy failed")
+                bad = set(corrupt)
                 for i, entry in claimed:
                     entry.claims -= 1
-                    outcomes[i] = outcome
-                    if entry.claims == 0 and entry.state is _DISCARDING:
+                    outcomes[i] = _CORRUPT if i in bad else outcome
+                    if i in bad:
+                        self._discard(state, page_hashes[i], entry)
+                    elif entry.claims == 0 and entry.state is _DISCARDING:
                         self._free_slot(state, entry)
                 self._inflight -= 1
                 self._quiet.notify_all()
         labels = {"pool": state.spec.name, "source": "local"}
-        self._metrics.increment("kvcr_restore_pages_total", len(claimed) if copied else 0, labels)
+        self._metrics.increment("kvcr_restore_pages_total", len(claimed) - len(corrupt) if copied else 0, labels)
         self._metrics.increment("kvcr_restore_misses_total", len(page_hashes) - len(claimed), labels)
+        if corrupt:
+            self._metrics.increment("kvcr_verification_failures_total", len(corrupt), labels)
+            log.error(
+                "kvcr: %d pages of pool %s changed in kvcr memory since their backup; dropped, reported as misses",
+                len(corrupt),
+                state.spec.name,
+            )
         return outcomes
 
-    def lease(self, block_keys: Sequence[str], duration_s: float) -> LeaseGrant:
+    def _check_delivered(
+        self,
+        state: _Pool,
+        page_hashes: Sequence[str],
+        claimed: list[tuple[int, _Entry]],
+        delivered: Callable[[int], Sequence[tuple[int, int]]],
+    ) -> list[int]:
+        """Positions of claimed pages whose delivered bytes do not match their backup digest."""
+        digest = self._memory.digest
+        return [i for i, entry in claimed if digest(delivered(i), _seed(state, page_hashes[i])) != entry.digest]
+
+    def _discard(self, state: _Pool, page_hash: str, entry: _Entry) -> None:
+        """Drop a page whose bytes can no longer be trusted (caller holds the lock)."""
+        if state.entries.get(page_hash) is entry:
+            del state.entries[page_hash]
+            state.policy.remove(page_hash)
+            self._inventory.publish(InventoryEvent(InventoryKind.REMOVED, state.spec.name, (page_hash,)))
+        if entry.claims == 0 and entry.state is not _DISCARDING:
+            self._free_slot(state, entry)
+        elif entry.state is not _DISCARDING:
+            entry.state = check_transition(entry.state, _DISCARDING)
+            state.detached += 1
+
+    def lease(self, requests: Sequence[tuple[str, Sequence[str]]], duration_s: float) -> LeaseGrant:
         """Hold READY pages for a peer until the lease expires on our clock or is released.
 
-        Keys that are malformed, of another namespace, of an unknown or logical pool, or not
-        READY are reported as -1: from a peer they are misses, not errors. ``duration_s`` is
-        capped at the configured lease length.
+        ``requests`` are (pool, page hashes); pages that are malformed, of an unknown or logical
+        pool, not READY, or past the pool's lease cap (``max_leased_fraction`` of its slots) are
+        granted as -1: from a peer they are misses, not errors. ``duration_s`` is capped at the
+        configured lease length. Lease ids are random 63-bit numbers, never reused.
         """
-        duration = min(max(duration_s, 0.0), self.config.lease_s)
-        slots: list[int] = []
+        duration = min(max(duration_s, 0.0), self.config.timing.lease_s)
+        slots: list[tuple[int, ...]] = []
+        digests: list[tuple[bytes, ...]] = []
         claims: list[tuple[_Pool, _Entry]] = []
         with self._lock:
             self._check_open()
             now = self._clock.now()
             self._expire_leases(now)
-            for text in block_keys:
-                entry = None
-                state = None
-                try:
-                    key = BlockKey.parse(text)
-                except InvalidKeyError:
-                    key = None
-                if key is not None and key.namespace == self.namespace:
-                    state = self._pools.get(key.pool)
-                    if state is not None and state.arena is not None:
-                        entry = state.entries.get(key.page_hash)
-                if state is None or entry is None or entry.state is not _READY:
-                    slots.append(-1)
+            for pool, pages in requests:
+                state = self._pools.get(pool)
+                if state is None or state.arena is None or not self._leasing:
+                    slots.append((_MISSING_SLOT,) * len(pages))
+                    digests.append((b"",) * len(pages))
                     continue
-                entry.claims += 1
-                claims.append((state, entry))
-                slots.append(entry.slot)
-            lease_id = self._next_lease
-            self._next_lease += 1
+                entries = state.entries
+                pool_slots: list[int] = []
+                pool_digests: list[bytes] = []
+                for page in pages:
+                    entry = entries.get(page) if isinstance(page, str) else None
+                    capped = entry is not None and not entry.leased and state.leased >= state.lease_cap
+                    if entry is None or entry.state is not _READY or capped:
+                        pool_slots.append(_MISSING_SLOT)
+                        pool_digests.append(b"")
+                        continue
+                    if not entry.leased:
+                        state.leased += 1
+                    entry.claims += 1
+                    entry.leased += 1
+                    claims.append((state, entry))
+                    pool_slots.append(entry.slot)
+                    pool_digests.append(entry.digest)
+                slots.append(tuple(pool_slots))
+                digests.append(tuple(pool_digests))
+            lease_id = 0
             if claims:
-                lease = Lease(lease_id, tuple(block_keys), now, now + duration)
-                self._leases[lease_id] = _HeldLease(lease, claims)
+                lease_id = self._new_lease_id()
+                self._leases[lease_id] = _HeldLease(Lease(lease_id, (), now, now + duration), claims)
         self._metrics.increment("kvcr_leases_granted_total")
         self._metrics.increment("kvcr_lease_pages_total", len(claims))
-        return LeaseGrant(lease_id, tuple(slots), duration)
+        return LeaseGrant(lease_id, tuple(slots), tuple(digests), duration)
 
-    def renew_lease(self, lease_id: int, duration_s: float) -> float:
-        """Extend a live lease; returns the new TTL, or 0 when the lease is unknown or expired."""
-        duration = min(max(duration_s, 0.0), self.config.lease_s)
+    def leased_slots(self, lease_id: int) -> dict[str, set[int]] | None:
+        """The slots a live lease holds, per pool; None when the lease is unknown or expired."""
         with self._lock:
-            now = self._clock.now()
-            self._expire_leases(now)
+            self._expire_leases(self._clock.now())
             held = self._leases.get(lease_id)
             if held is None:
-                return 0.0
-            held.lease = held.lease.renewed(now, duration)
-            return duration
+                return None
+            slots: dict[str, set[int]] = {}
+            for state, entry in held.claims:
+                slots.setdefault(state.spec.name, set()).add(entry.slot)
+            return slots
+
+    def stop_leasing(self) -> None:
+        """Grant nothing from now on (shutdown); releases and expiry keep working."""
+        with self._lock:
+            self._leasing = False
+
+    def wait_for_leases(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` (real time) for peers to release or let expire every lease; returns those left."""
+        give_up = time.monotonic() + max(0.0, timeout_s)
+        with self._lock:
+            while self._leases and time.monotonic() < give_up:
+                self._expire_leases(self._clock.now())
+                if self._leases:
+                    self._quiet.wait(timeout=min(0.05, max(0.0, give_up - time.monotonic())))
+            return len(self._leases)
 
     def release_lease(self, lease_id: int) -> bool:
         """End a lease early; False when it is unknown (released, expired or never granted)."""
@@ -556,40 +655,43 @@ class KvcrRunner:
                 )
         return RunnerStats(self.config.name, self.namespace, tuple(pools), dict(self._metrics.snapshot()))
 
-    def close(self, on_quiescent: Callable[[], None] | None = None) -> None:
-        """Wait for in-flight operations and leases, call ``on_quiescent``, then free the arenas.
+    def close(self, on_quiescent: Callable[[], None] | None = None, *, lease_wait_s: float = 0.0) -> None:
+        """Stop, wait for in-flight operations, call ``on_quiescent``, then free the arenas.
 
-        ``on_quiescent`` is where a data plane deregisters the arenas: after nothing can touch
-        them, before their memory goes back.
+        New leases are refused at once; peers' leases get ``lease_wait_s`` to be released (the
+        caller keeps the control channel open meanwhile). Pools whose pages a peer may still be
+        reading are deregistered (``on_quiescent``) but never freed: this process will not reuse
+        that memory. ``on_quiescent`` is where a data plane deregisters the arenas: after nothing
+        of ours touches them, before their memory goes back.
 
         Raises:
-            KvcrError: operations still touch kvcr memory after the budget; memory is kept.
+            KvcrError: our own operations still touch kvcr memory after the abandonment budget;
+                nothing was deregistered or freed.
         """
+        self.stop_leasing()
+        self.wait_for_leases(lease_wait_s)
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            # A peer may be reading leased slots right now: wait for leases to end too.
-            now = self._clock.now()
-            wait_s = self.config.budget.abandon_s
-            for held in self._leases.values():
-                wait_s = max(wait_s, held.lease.expires_at - now)
             # Bounded in real time too, so an injected clock that never moves cannot hang close().
-            give_up = time.monotonic() + wait_s
-            while (self._inflight or self._leases) and time.monotonic() < give_up:
-                self._expire_leases(self._clock.now())
-                if self._inflight or self._leases:
-                    self._quiet.wait(timeout=0.05)
-            if self._inflight or self._leases:
-                raise KvcrError(
-                    f"close: {self._inflight} operations and {len(self._leases)} leases still touch kvcr "
-                    "memory; memory kept"
-                )
+            give_up = time.monotonic() + self.config.timing.abandon_s
+            while self._inflight and time.monotonic() < give_up:
+                self._quiet.wait(timeout=0.05)
+            if self._inflight:
+                raise KvcrError(f"close: {self._inflight} operations still touch kvcr memory; memory kept")
+            self._expire_leases(self._clock.now())
+            pinned = {state.spec.name for held in self._leases.values() for state, _ in held.claims}
             for state in self._pools.values():
                 state.entries = {}
         if on_quiescent is not None:
             on_quiescent()
-        self._release_arenas()
+        if pinned:
+            log.warning(
+                "kvcr closed with peers' leases still live on pools %s; their memory stays mapped until exit",
+                sorted(pinned),
+            )
+        self._release_arenas(keep=pinned)
 
     # ------------------------------------------------------------------ internals
 
@@ -605,12 +707,22 @@ class KvcrRunner:
     def _drop_claims(self, held: _HeldLease) -> None:
         for state, entry in held.claims:
             entry.claims -= 1
+            entry.leased -= 1
+            if not entry.leased:
+                state.leased -= 1
             if entry.claims == 0 and entry.state is _DISCARDING:
                 self._free_slot(state, entry)
 
-    def _release_arenas(self) -> None:
+    def _new_lease_id(self) -> int:
+        # Random, so a peer cannot guess another's lease and a restarted source never honours an old one.
+        while True:
+            lease_id = secrets.randbits(63)
+            if lease_id and lease_id not in self._leases:
+                return lease_id
+
+    def _release_arenas(self, keep: set[str] | frozenset[str] = frozenset()) -> None:
         for state in self._pools.values():
-            if state.arena is not None:
+            if state.arena is not None and state.spec.name not in keep:
                 state.arena.release()
 
     @contextlib.contextmanager
@@ -657,12 +769,19 @@ class KvcrRunner:
         src_regions: Sequence[RegionDescriptor],
         slot_pairs: Sequence[tuple[int, int]],
     ) -> list[Move]:
-        """Merged moves for (dst slot, src slot) pairs across every component."""
+        """Merged moves for (dst slot, src slot) pairs across every component (one coalescing per pool)."""
+        runs = slot_runs((src, dst) for dst, src in slot_pairs)
         moves: list[Move] = []
         for dst, src in zip(dst_regions, src_regions, strict=True):
-            d_base, d_stride, s_base, s_stride = dst.base, dst.stride, src.base, src.stride
-            addresses = [(d_base + d * d_stride, s_base + s * s_stride) for d, s in slot_pairs]
-            moves.extend(Move(d, s, n) for d, s, n in merge_runs(addresses, dst.piece_bytes))
+            d_base, d_stride, s_base, s_stride, piece = dst.base, dst.stride, src.base, src.stride, dst.piece_bytes
+            if dst.dense and src.dense:
+                moves.extend(Move(d_base + d * d_stride, s_base + s * s_stride, n * piece) for s, d, n in runs)
+            else:
+                moves.extend(
+                    Move(d_base + (d + k) * d_stride, s_base + (s + k) * s_stride, piece)
+                    for s, d, n in runs
+                    for k in range(n)
+                )
         return moves
 
     def _reserve(self, state: _Pool, count: int, *, protect: Sequence[str]) -> list[int]:
@@ -734,7 +853,9 @@ class KvcrRunner:
                 ready.append(page)
                 results[i] = True  # also a page listed twice in one batch
         if ready:
-            state.policy.touch(self._aligned(state, ready))
+            # admit, not touch: FIFO ignores touches, so pages it was never told about would
+            # never become victims and a full arena would refuse every later backup.
+            state.policy.admit(self._aligned(state, ready))
         for run in _contiguous_runs(stored):
             first = run[0][0]
             self._inventory.publish(
@@ -770,6 +891,11 @@ class KvcrRunner:
             parent = entry.parent
         lineage.reverse()
         return lineage
+
+
+def _seed(state: _Pool, page_hash: str) -> bytes:
+    """What a page's digest is bound to: its pool's namespace and its key."""
+    return f"{state.namespace}#{state.spec.name}#{page_hash}".encode()
 
 
 def _contiguous_runs(items: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:

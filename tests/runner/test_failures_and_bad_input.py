@@ -6,6 +6,7 @@ import pytest
 
 from kvcr.adapters.local import InMemoryMetrics, MonotonicClock, RecordingInventory
 from kvcr.adapters.mock import MockHostMemory
+from kvcr.domain.deadlines import Timing
 from kvcr.domain.errors import ClosedError, ConfigError, InvalidKeyError, KvcrError, LayoutError
 from kvcr.domain.layout import RegionDescriptor
 from kvcr.domain.outcomes import Outcome
@@ -146,11 +147,10 @@ def test_use_after_close_and_close_frees_memory():
 def test_close_keeps_memory_when_an_operation_never_ends():
     memory = GatedMemory()
     config = runner_config((kv_pool(),), 4)
-    from kvcr.domain.deadlines import DeadlineBudget
     from kvcr.runner import KvcrRunner
 
     runner = KvcrRunner(
-        runner_config((kv_pool(),), 4, budget=DeadlineBudget(0.05, 0.1)),
+        runner_config((kv_pool(),), 4, timing=Timing(operation_s=0.05, abandon_s=0.1, control_s=0.05)),
         memory=memory,
         clock=MonotonicClock(),
         metrics=InMemoryMetrics(),
@@ -230,8 +230,37 @@ def test_config_errors_name_the_problem():
     with pytest.raises(ConfigError, match="unknown pool"):
         runner_config(pools, 1, pool_dram_bytes={"swa": 10})
     with pytest.raises(ConfigError, match="lease_ms"):
-        runner_config(pools, 1, lease_s=1.0, lease_margin_s=2.0)
+        runner_config(pools, 1, timing=Timing(lease_s=1.0, lease_margin_s=2.0))
 
 
 def _fields(config):
     return {name: getattr(config, name) for name in config.__dataclass_fields__}
+
+
+def test_an_arena_too_large_to_map_names_dram_bytes():
+    from kvcr.adapters.local import MmapHostMemory
+    from kvcr.runner import KvcrRunner
+
+    pools = (kv_pool(),)
+    with pytest.raises(ConfigError, match="dram_bytes"):
+        KvcrRunner(
+            runner_config(pools, 1 << 40),  # 512 TiB: more than x86-64 user space holds
+            memory=MmapHostMemory(populate=False),
+            clock=MonotonicClock(),
+            metrics=InMemoryMetrics(),
+            inventory=RecordingInventory(),
+        )
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        (dict(operation_s=1e15), "operation_timeout_ms"),
+        (dict(control_s=10.0, operation_s=5.0), "control_timeout_ms"),
+        (dict(abandon_s=1.0, operation_s=5.0), "abandon_timeout_ms"),
+        (dict(lease_s=0.0), "lease_ms"),
+    ],
+)
+def test_timings_out_of_range_are_refused_by_name(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        Timing(**changes)

@@ -216,3 +216,88 @@ def test_flat_page_copy_path_round_trips_through_arbitrary_addresses(build):
     assert runner.load_page("kv", page, [base_dst, base_dst + 256])
     assert dst.raw == data
     assert not runner.load_page("kv", sequence(1, start=77)[0], [base_dst, base_dst + 256])
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_both_policies_keep_storing_once_the_arena_is_full(build, policy):
+    runner, hosts = build(slots=4, policy=policy)
+    host = hosts["kv"]
+    for round_ in range(5):
+        pages = sequence(4, start=1000 * round_)
+        fill(host, pages, range(4))
+        assert runner.backup("kv", pages, list(range(4))) == [True] * 4, f"round {round_} stored nothing"
+        assert runner.exists("kv", pages) == [True] * 4
+    assert runner.stats().pools[0].ready == 4
+
+
+def test_fifo_evicts_the_first_admitted_pages_whatever_was_used(build):
+    runner, hosts = build(slots=4, policy="fifo")
+    host = hosts["kv"]
+    old, new = sequence(2), sequence(2, start=500)
+    fill(host, old + new, range(4))
+    runner.backup("kv", old, [0, 1])
+    runner.backup("kv", new, [2, 3])
+    runner.restore("kv", old, [10, 11])  # a use refreshes LRU, never FIFO
+    newest = sequence(2, start=900)
+    fill(host, newest, [4, 5])
+    runner.backup("kv", newest, [4, 5])
+    assert runner.exists("kv", old) == [False, False]
+    assert runner.exists("kv", new) == [True, True]
+
+
+def test_a_page_is_not_present_while_its_copy_is_still_running(build):
+    import threading
+
+    runner, hosts = build(slots=8)
+    host = hosts["kv"]
+    pages = sequence(2)
+    fill(host, pages, [0, 1])
+    memory = runner._memory
+    entered, gate = threading.Event(), threading.Event()
+    copy = memory.copy
+
+    def slow_copy(moves):
+        entered.set()
+        gate.wait(5)
+        copy(moves)
+
+    memory.copy = slow_copy
+    writer = threading.Thread(target=runner.backup, args=("kv", pages, [0, 1]))
+    writer.start()
+    try:
+        assert entered.wait(5)
+        assert runner.exists("kv", pages) == [False, False]  # FILLING is not READY
+        assert runner.query("kv", pages).prefix == 0
+        assert [o.outcome for o in runner.restore("kv", pages, [9, 10])] == [Outcome.MISS] * 2
+    finally:
+        gate.set()
+        writer.join(5)
+        memory.copy = copy
+    assert runner.exists("kv", pages) == [True, True]
+
+
+def test_leases_are_refused_when_a_pool_is_already_half_pinned(build):
+    runner, hosts = build(slots=8)
+    host = hosts["kv"]
+    pages = sequence(8)
+    fill(host, pages, range(8))
+    runner.backup("kv", pages, list(range(8)))
+    first = runner.lease([("kv", pages[:6])], 10.0)
+    assert sum(s >= 0 for s in first.slots[0]) == 4  # at most half of the pool's slots
+    second = runner.lease([("kv", pages)], 10.0)
+    granted = [p for p, s in zip(pages, second.slots[0], strict=True) if s >= 0]
+    assert granted == pages[:4]  # pages already pinned may be leased again; no new ones
+    assert runner.release_lease(first.lease_id) and runner.release_lease(second.lease_id)
+    assert not runner.release_lease(first.lease_id)  # an unknown lease reports nothing released
+    assert runner.leased_slots(first.lease_id) is None
+
+
+def test_lease_ids_are_random_and_a_nothing_grant_holds_no_lease(build):
+    runner, hosts = build(slots=8)
+    nothing = runner.lease([("kv", sequence(2)), ("no-such-pool", sequence(1))], 10.0)
+    assert nothing.lease_id == 0 and runner.active_leases == 0
+    assert nothing.slots == ((-1, -1), (-1,))
+    fill(hosts["kv"], sequence(1), [0])
+    runner.backup("kv", sequence(1), [0])
+    ids = [runner.lease([("kv", sequence(1))], 10.0).lease_id for _ in range(8)]
+    assert len(set(ids)) == 8 and all(ids) and max(ids) - min(ids) > 1 << 32

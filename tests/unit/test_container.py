@@ -44,9 +44,9 @@ def test_strict_config_refuses_missing_keys_and_wrong_types():
     with pytest.raises(di_errors.Error):
         container.runner()
     bad = build_container(runner_config((kv_pool(),), 4))
-    bad.config.runner.from_value({"name": "not a RunnerConfig"})
-    with pytest.raises(TypeError, match="RunnerConfig"):
-        bad.runner()
+    bad.runner_config.override({"name": "not a RunnerConfig"})
+    with pytest.raises(di_errors.Error, match="RunnerConfig"):
+        bad.runner()  # typed: nothing downstream ever sees the wrong type
 
 
 def test_two_nodes_on_one_mock_fabric_restore_through_the_container():
@@ -82,5 +82,18 @@ def test_node_settings_refuse_undialable_endpoints():
     with pytest.raises(ConfigError, match="control_port"):
         NodeSettings("127.0.0.1", 0)
     with pytest.raises(ConfigError, match="control_advertise_host"):
-        NodeSettings("0.0.0.0", 5000)
-    assert NodeSettings("0.0.0.0", 5000, advertise_host="10.1.2.3").endpoint == "tcp://10.1.2.3:5000"
+        NodeSettings("0.0.0.0", 5000, token=b"t" * 16)
+    assert NodeSettings("0.0.0.0", 5000, advertise_host="10.1.2.3", token=b"t" * 16).endpoint == "tcp://10.1.2.3:5000"
+
+
+def test_a_routable_bind_without_a_token_needs_an_explicit_opt_in():
+    from kvcr.domain.errors import ConfigError
+    from kvcr.runner.node import NodeSettings
+
+    with pytest.raises(ConfigError, match="allow_unauthenticated"):
+        NodeSettings("0.0.0.0", 5000, advertise_host="10.1.2.3")
+    with pytest.raises(ConfigError, match="allow_unauthenticated"):
+        NodeSettings("10.1.2.3", 5000)
+    NodeSettings("10.1.2.3", 5000, allow_unauthenticated=True)
+    NodeSettings("127.0.0.1", 5000)
+    NodeSettings("::1", 5000)

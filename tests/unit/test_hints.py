@@ -66,11 +66,11 @@ def test_other_actions_are_skipped_and_first_kv_fetch_used():
         (envelope(block_hashes=[1 << 64]), "64-bit"),
         (envelope(block_hashes=[-(1 << 63) - 1]), "64-bit"),
         (envelope(source_control_endpoint=None), "no source_control_endpoint"),
-        (envelope(source_control_endpoint="10.0.0.1:25000"), "tcp://"),
-        (envelope(source_control_endpoint="tcp://0.0.0.0:25000"), "not dialable"),
+        (envelope(source_control_endpoint="10.0.0.1:25000"), "source_control_endpoint"),
+        (envelope(source_control_endpoint="tcp://0.0.0.0:25000"), "source_control_endpoint"),
         (envelope(source_control_endpoint="tcp://*:25000"), "source_control_endpoint"),
-        (envelope(source_control_endpoint="tcp://h:0"), "port"),
-        (envelope(source_control_endpoint="tcp://h:70000"), "port"),
+        (envelope(source_control_endpoint="tcp://h:0"), "source_control_endpoint"),
+        (envelope(source_control_endpoint="tcp://h:70000"), "source_control_endpoint"),
         (envelope(source_control_endpoint="tcp://h"), "source_control_endpoint"),
         (envelope(source_control_endpoint=12), "source_control_endpoint"),
         (envelope(mode="move"), "unsupported mode"),
@@ -81,6 +81,13 @@ def test_malformed_hints_fail_closed_with_a_reason(raw, reason):
     parsed = parse_hint(raw)
     assert not parsed.usable
     assert reason in parsed.reason
+    assert parsed.code is not None  # a closed-set code, what counters use
+
+
+def test_rejection_reasons_never_carry_the_hint_text():
+    secret = "tcp://attacker chosen " + "x" * 200 + ":1"
+    parsed = parse_hint(envelope(source_control_endpoint=secret))
+    assert "attacker" not in parsed.reason and len(parsed.reason) < 64
 
 
 def test_action_version_major_is_checked():

@@ -5,9 +5,7 @@ import pytest
 
 from kvcr.domain.errors import InvalidKeyError
 from kvcr.domain.keys import (
-    BlockKey,
     NamespaceSpec,
-    PoolGeometry,
     ShardIdentity,
     check_page_hash,
     i64_to_u64,
@@ -76,60 +74,41 @@ def test_malformed_page_hashes_are_rejected(bad):
         check_page_hash(bad)
 
 
-def test_block_key_round_trips_and_rejects_malformed_text():
-    key = BlockKey("ab" * 32, "0123456789abcdef", "kv")
-    assert str(key) == "ab" * 32 + "#0123456789abcdef#kv"
-    assert BlockKey.parse(str(key)) == key
-    for bad in [
-        "ab" * 32,
-        "ab" * 32 + "#0123#kv",
-        "ab" * 32 + "#0123456789abcdef#",
-        "x#y#z#w",
-        "ab" * 32 + "#0123456789abcdef#k v",
-    ]:
-        with pytest.raises(InvalidKeyError):
-            BlockKey.parse(bad)
-
-
 def _spec(**changes):
-    base = dict(
-        model="llama",
-        page_size=64,
-        dtype="bfloat16",
-        layout="page_first",
-        pools=(PoolGeometry("kv", (1024, 1024)),),
-        shard=ShardIdentity(0, 2),
-        salt="",
-    )
+    base = dict(model="llama", page_size=64, dtype="bfloat16", layout="page_first", salt="")
     base.update(changes)
     return NamespaceSpec(**base)
 
 
-def test_namespace_digest_is_stable_and_sensitive_to_every_term():
-    digest = _spec().digest()
-    assert len(digest) == 16 and digest == _spec().digest()
+def _digest(spec=None, pool="kv", pieces=(1024, 1024), shard=ShardIdentity(0, 2)):
+    return (spec or _spec()).pool_digest(pool, pieces, shard)
+
+
+def test_pool_namespace_is_stable_and_sensitive_to_every_term():
+    digest = _digest()
+    assert len(digest) == 16 and digest == _digest()
     variants = [
-        _spec(model="other"),
-        _spec(page_size=32),
-        _spec(dtype="float16"),
-        _spec(layout="page_first_direct"),
-        _spec(pools=(PoolGeometry("kv", (1024, 2048)),)),
-        _spec(shard=ShardIdentity(1, 2)),
-        _spec(salt="tenant-a"),
+        _digest(_spec(model="other")),
+        _digest(_spec(page_size=32)),
+        _digest(_spec(dtype="float16")),
+        _digest(_spec(layout="page_first_direct")),
+        _digest(_spec(salt="tenant-a")),
+        _digest(pieces=(1024, 2048)),
+        _digest(pool="indexer"),
+        _digest(shard=ShardIdentity(1, 2)),
     ]
-    assert len({v.digest() for v in variants} | {digest}) == len(variants) + 1
+    assert len({*variants, digest}) == len(variants) + 1
 
 
-def test_replicated_kv_shares_one_namespace_across_ranks():
-    a = _spec(shard=ShardIdentity(0, 4, replicated=True))
-    b = _spec(shard=ShardIdentity(3, 4, replicated=True))
-    assert a.digest() == b.digest()
+def test_replicated_pools_share_one_namespace_across_ranks_and_sharded_ones_do_not():
+    replicated = {_digest(shard=ShardIdentity(r, 4, replicated=True)) for r in range(4)}
+    sharded = {_digest(shard=ShardIdentity(r, 4)) for r in range(4)}
+    assert len(replicated) == 1 and len(sharded) == 4
 
 
-def test_pool_order_does_not_change_the_namespace():
-    one = _spec(pools=(PoolGeometry("kv", (8,)), PoolGeometry("indexer", (4,))))
-    two = _spec(pools=(PoolGeometry("indexer", (4,)), PoolGeometry("kv", (8,))))
-    assert one.digest() == two.digest()
+def test_a_malformed_pool_name_cannot_enter_a_namespace():
+    with pytest.raises(InvalidKeyError):
+        _digest(pool="k v")
 
 
 def test_bad_shard_identity_is_rejected():

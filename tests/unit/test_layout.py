@@ -1,17 +1,7 @@
 import pytest
 
 from kvcr.domain.errors import LayoutError
-from kvcr.domain.layout import (
-    ComponentSpec,
-    CopyRun,
-    MemoryRef,
-    RegionDescriptor,
-    check_disjoint,
-    coalesce,
-    merge_runs,
-    page_slots,
-    project,
-)
+from kvcr.domain.layout import ComponentSpec, RegionDescriptor, check_disjoint, slot_runs
 
 
 def region(label, base, stride=100, count=10, piece=100):
@@ -65,36 +55,11 @@ def test_offsets_are_bounds_checked():
         r.offset(10)
 
 
-def test_project_gives_one_ref_per_component():
-    regions = [region("k", 0), region("v", 10_000)]
-    assert project(regions, 4) == (MemoryRef("k", 4), MemoryRef("v", 4))
-    with pytest.raises(LayoutError):
-        project(regions, 99)
+def test_slot_runs_join_pairs_adjacent_on_both_sides_in_destination_order():
+    pairs = [(12, 2), (10, 0), (11, 1), (40, 4), (90, 5), (91, 6)]
+    assert slot_runs(pairs) == [(10, 0, 3), (40, 4, 1), (90, 5, 2)]
+    assert slot_runs([]) == []
 
 
-def test_merge_runs_joins_pieces_adjacent_on_both_sides():
-    pairs = [(200, 1200), (0, 1000), (100, 1100), (400, 5000), (500, 9000)]
-    assert merge_runs(pairs, 100) == [(0, 1000, 300), (400, 5000, 100), (500, 9000, 100)]
-    assert merge_runs([], 100) == []
-
-
-def test_coalesce_merges_consecutive_slots_per_region_pair():
-    src = region("src", 0)
-    dst = region("dst", 50_000)
-    runs = coalesce([(src, 4, dst, 2), (src, 1, dst, 0), (src, 3, dst, 1), (src, 5, dst, 3)])
-    assert runs == [CopyRun("src", 100, "dst", 0, 100), CopyRun("src", 300, "dst", 100, 300)]
-
-
-def test_coalesce_refuses_mismatched_piece_sizes():
-    with pytest.raises(LayoutError, match="mismatch"):
-        coalesce([(region("a", 0), 0, region("b", 9000, piece=50, stride=50), 0)])
-
-
-def test_page_slots_requires_whole_aligned_contiguous_pages():
-    assert page_slots([8, 9, 10, 11, 0, 1, 2, 3], 4) == [2, 0]
-    with pytest.raises(LayoutError, match="whole number"):
-        page_slots([0, 1, 2], 4)
-    with pytest.raises(LayoutError, match="aligned"):
-        page_slots([1, 2, 3, 4], 4)
-    with pytest.raises(LayoutError, match="contiguous"):
-        page_slots([0, 2, 1, 3], 4)
+def test_slot_runs_do_not_join_pairs_adjacent_on_one_side_only():
+    assert slot_runs([(1, 0), (5, 1), (6, 3)]) == [(1, 0, 1), (5, 1, 1), (6, 3, 1)]

@@ -2,16 +2,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcr.domain.boundaries import (
-    all_pages_boundaries,
-    intersect,
-    leading_run,
-    restorable_prefix,
-    trailing_boundaries,
-)
+from kvcr.domain.boundaries import all_pages_boundaries, intersect, leading_run, trailing_boundaries
 from kvcr.domain.errors import EvidenceError, LayoutError
+from kvcr.domain.hits import PoolPresence, hit_verdict
 from kvcr.domain.layout import ComponentSpec
-from kvcr.domain.pools import HitPolicy, PoolSpec, check_pool_set, page_evidence, require_physical_evidence
+from kvcr.domain.pools import HitPolicy, PoolSpec, check_pool_set
+
+
+def restorable_prefix(sets):
+    return max(intersect(sets))
 
 KV = PoolSpec("kv", (ComponentSpec("k", 8), ComponentSpec("v", 8)), anchor=True)
 INDEXER = PoolSpec("indexer", (ComponentSpec("i", 4),))
@@ -76,16 +75,51 @@ def test_pool_set_validation():
         check_pool_set([])
 
 
-def test_evidence_requires_every_physical_all_pages_pool():
-    present = {"kv": [True, True, True, False], "indexer": [True, False, True, True], "mamba": [False] * 4}
-    assert page_evidence(present, [KV, INDEXER, MAMBA]) == [True, False, True, False]
+ALL, TRAIL = HitPolicy.ALL_PAGES, HitPolicy.TRAILING_PAGES
+
+
+def test_the_hit_is_the_shortest_evidence_run():
+    verdict = hit_verdict(
+        [
+            PoolPresence("kv", ALL, [True, True, True, False]),
+            PoolPresence("indexer", ALL, [True, True, False, True]),
+        ]
+    )
+    assert verdict.pages == 2 and verdict.restorable == (1, 2)
+    assert verdict.pool_hits == {"kv": 3, "indexer": 2}
+
+
+def test_resume_boundaries_are_intersected_across_pools():
+    # KV holds 4 pages, Mamba checkpoints sit at 1 and 3: the legal cuts are {1, 3}, the hit 3.
+    verdict = hit_verdict(
+        [PoolPresence("kv", ALL, [True] * 4), PoolPresence("mamba", TRAIL, [True, False, True, False], window=1)]
+    )
+    assert verdict.restorable == (1, 3) and verdict.pages == 3
+
+
+def test_a_hole_in_a_trailing_window_is_never_a_contiguous_prefix():
+    verdict = hit_verdict(
+        [PoolPresence("kv", ALL, [True] * 4), PoolPresence("mamba", TRAIL, [True, False, True, True], window=2)]
+    )
+    assert verdict.restorable == (1, 4) and verdict.pages == 4
+    gone = hit_verdict([PoolPresence("kv", ALL, [True] * 4), PoolPresence("mamba", TRAIL, [False] * 4, window=1)])
+    assert gone.pages == 0 and gone.restorable == ()
+
+
+def test_a_logical_anchor_counts_only_through_physical_pools():
+    verdict = hit_verdict(
+        [PoolPresence("kv", ALL, (), physical=False), PoolPresence("indexer", ALL, [True, True, False])]
+    )
+    assert verdict.pages == 2 and "kv" not in verdict.pool_hits
 
 
 def test_bare_logical_anchor_is_no_evidence():
     with pytest.raises(EvidenceError):
-        require_physical_evidence([LOGICAL])
+        hit_verdict([PoolPresence("kv", ALL, (), physical=False)])
     with pytest.raises(EvidenceError):
-        require_physical_evidence([LOGICAL, MAMBA])
-    require_physical_evidence([LOGICAL, INDEXER])
-    with pytest.raises(EvidenceError):
-        page_evidence({"kv": []}, [LOGICAL])
+        hit_verdict([PoolPresence("kv", ALL, (), physical=False), PoolPresence("mamba", TRAIL, [True])])
+
+
+def test_pools_answering_different_page_counts_are_refused():
+    with pytest.raises(LayoutError, match="different page counts"):
+        hit_verdict([PoolPresence("kv", ALL, [True]), PoolPresence("indexer", ALL, [True, True])])

@@ -8,11 +8,12 @@ pay that on the serving path.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import mmap
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import xxhash
 
 from kvcr.ports.errors import MemoryCopyError, RegistrationError
 from kvcr.ports.memory import Allocation, Move
@@ -64,11 +65,11 @@ class MmapHostMemory:
     def read(self, address: int, nbytes: int) -> bytes:
         return ctypes.string_at(address, nbytes)
 
-    def checksum(self, extents: Sequence[tuple[int, int]]) -> bytes:
-        digest = hashlib.blake2b(digest_size=16)
+    def digest(self, extents: Sequence[tuple[int, int]], seed: bytes) -> bytes:
+        hasher = xxhash.xxh3_128(seed)
         for address, nbytes in extents:
-            digest.update((ctypes.c_char * nbytes).from_address(address))
-        return digest.digest()
+            hasher.update((ctypes.c_char * nbytes).from_address(address))
+        return hasher.digest()
 
     def close(self) -> None:
         """Free every allocation still held (for tests and process teardown)."""

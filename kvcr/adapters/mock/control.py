@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from kvcr.adapters.mock.fabric import ControlFaults, MockFabric
 from kvcr.ports.clock import Clock
 from kvcr.ports.control import Handler
-from kvcr.ports.errors import ControlTimeout, PeerUnavailable, TransportError
+from kvcr.ports.errors import ControlTimeout, PeerRefused, PeerUnavailable, TransportError
 
 
 class MockControlChannel:
@@ -64,7 +64,26 @@ class MockControlChannel:
         with self._fabric.lock:
             if node is not None:
                 node.served += 1
+        if reply is None:
+            raise PeerRefused(f"{endpoint} sent no reply to a request")
         return reply
+
+    def send(self, endpoint: str, payload: bytes) -> None:
+        if self._closed:
+            return
+        with self._fabric.lock:
+            node = self._fabric.find(endpoint)
+            handler = node.handler if node is not None and node.control_up else None
+            faults = node.control_faults if node is not None else ControlFaults()
+        if handler is None or faults.down or faults.stall or faults.garble:
+            return  # one-way messages are best effort: a dead or stalled peer just loses them
+        handler(bytes(payload))
+        with self._fabric.lock:
+            if node is not None:
+                node.served += 1
+
+    def forget(self, endpoint: str) -> None:
+        del endpoint  # the fake keeps no connections
 
     def close(self) -> None:
         if self._closed:

@@ -1,9 +1,11 @@
 """A DataPlane over the in-process fabric that really copies bytes between registered regions.
 
-It enforces what NIXL enforces (regions registered on both sides, pieces in bounds, endpoints
-open) and completes transfers through the injected clock: a read posted at ``t`` completes on
-the first poll at or after ``t + latency_s``, and only then are bytes copied — from the source's
-memory as it is at that moment. Faults model the source side and are constructor arguments.
+It enforces what NIXL enforces (runs name registered regions in bounds, equal piece sizes, peers
+connected and of the incarnation they were connected at, endpoints open) and what kvcr asks of
+every data plane: a peer reads only *exposed* regions, never private ones. Transfers complete
+through the injected clock: a read posted at ``t`` completes on the first poll at or after
+``t + latency_s``, and only then are bytes copied, from the source's memory as it is at that
+moment. Faults model the source side and are constructor arguments (see :class:`Faults`).
 """
 
 from __future__ import annotations
@@ -16,25 +18,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcr.adapters.mock.fabric import Faults, MockFabric
+from kvcr.adapters.mock.fabric import Faults, MockFabric, _Node
 from kvcr.domain.errors import KvcrError
-from kvcr.domain.layout import CopyRun, RegionDescriptor
+from kvcr.domain.layout import PieceRun, RegionDescriptor
 from kvcr.ports.clock import Clock
-from kvcr.ports.dataplane import TransferState
+from kvcr.ports.dataplane import PeerInfo, TransferState
 from kvcr.ports.errors import PeerUnavailable, RegistrationError, TransportError
 
 
 @dataclass
 class _Transfer:
     source: str
-    runs: tuple[tuple[int, int, int], ...]  # (dst address, src address, nbytes)
+    incarnation: int
+    moves: tuple[tuple[int, int, int], ...]  # (dst address, src address, nbytes)
     complete_at: float
     state: TransferState = TransferState.PENDING
-    cancel_requested: bool = False
-
-
-def _bounds(region: RegionDescriptor, offset: int, nbytes: int) -> bool:
-    return offset >= 0 and nbytes > 0 and offset + nbytes <= region.span
 
 
 class MockDataPlane:
@@ -44,13 +42,15 @@ class MockDataPlane:
         self._clock = clock
         self._handles = itertools.count(1)
         self._transfers: dict[int, _Transfer] = {}
-        self._peers: set[str] = set()
+        self._peers: dict[str, int] = {}  # name -> incarnation we connected to
         self._lock = threading.Lock()
         self._closed = False
         node = fabric.node(name)
         with fabric.lock:
             node.data_up = True
             node.incarnation += 1
+            node.exposed.clear()
+            node.private.clear()
             node.faults = faults or Faults()
 
     @property
@@ -67,75 +67,87 @@ class MockDataPlane:
         with self._fabric.lock:
             self._fabric.node(self._name).faults = faults
 
-    def register(self, regions: Sequence[RegionDescriptor]) -> None:
+    @property
+    def live_transfers(self) -> int:
+        """Handles not yet released (tests check nothing leaks)."""
+        with self._lock:
+            return len(self._transfers)
+
+    def register(self, regions: Sequence[RegionDescriptor], *, exposed: bool) -> tuple[int, ...]:
         self._check_open()
         node = self._fabric.node(self._name)
         with self._fabric.lock:
+            known = [*node.exposed.values(), *node.private.values()]
+            for i, region in enumerate(regions):
+                for other in [*known, *regions[:i]]:
+                    if region.overlaps(other):
+                        raise RegistrationError(f"{self._name}: region {region.label!r} overlaps {other.label!r}")
+            ids = []
+            table = node.exposed if exposed else node.private
             for region in regions:
-                if region.label in node.regions:
-                    raise RegistrationError(f"{self._name}: region {region.label!r} is already registered")
-            for region in regions:
-                node.regions[region.label] = region
+                region_id = node.next_region
+                node.next_region += 1
+                table[region_id] = region
+                ids.append(region_id)
+        return tuple(ids)
 
-    def deregister(self, labels: Sequence[str]) -> None:
+    def deregister(self, ids: Sequence[int]) -> None:
         node = self._fabric.node(self._name)
         with self._fabric.lock:
-            for label in labels:
-                node.regions.pop(label, None)
+            for region_id in ids:
+                node.exposed.pop(region_id, None)
+                node.private.pop(region_id, None)
 
     def describe(self) -> bytes:
         self._check_open()
         node = self._fabric.node(self._name)
         with self._fabric.lock:
-            labels = sorted(node.regions)
+            exposed = {str(i): [r.count, r.piece_bytes] for i, r in node.exposed.items()}
             incarnation = node.incarnation
         return json.dumps(
-            {"fabric": "mock", "name": self._name, "incarnation": incarnation, "regions": labels}
+            {"fabric": "mock", "name": self._name, "incarnation": incarnation, "exposed": exposed}
         ).encode()
 
-    def connect(self, description: bytes) -> str:
+    def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
+        del timeout_s  # the fake answers at once or not at all
         self._check_open()
         try:
             info = json.loads(description)
-            peer = info["name"]
+            peer, incarnation = str(info["name"]), int(info["incarnation"])
         except (ValueError, KeyError, TypeError) as exc:
             raise PeerUnavailable(f"unreadable peer description: {exc}") from exc
         node = self._fabric.find(peer)
-        if node is None or not node.data_up:
-            raise PeerUnavailable(f"peer {peer!r} is not on the fabric")
+        if node is None or not node.data_up or node.faults.peer_down or node.incarnation != incarnation:
+            raise PeerUnavailable(f"peer {peer!r} is not on the fabric (or not at that incarnation)")
         with self._lock:
-            self._peers.add(peer)
-        return str(peer)
+            self._peers[peer] = incarnation
+        return PeerInfo(peer, late_writes=node.faults.late_writes)
 
     def disconnect(self, peer: str) -> None:
         with self._lock:
-            self._peers.discard(peer)
+            self._peers.pop(peer, None)
+            source = self._fabric.find(peer)
+            late = source is not None and source.faults.late_writes
+            for transfer in self._transfers.values():
+                if transfer.source == peer and not transfer.state.terminal and not late:
+                    transfer.state = TransferState.FAILED  # torn down: it will never write again
 
-    def read(self, peer: str, runs: Sequence[CopyRun]) -> int:
+    def read(self, peer: str, runs: Sequence[PieceRun], *, lease: int = 0) -> int:
+        del lease  # one-sided, like NIXL: the source takes no part in a read
         self._check_open()
         with self._lock:
-            if peer not in self._peers:
-                raise PeerUnavailable(f"{self._name}: peer {peer!r} is not connected")
+            incarnation = self._peers.get(peer)
+        if incarnation is None:
+            raise PeerUnavailable(f"{self._name}: peer {peer!r} is not connected")
         source = self._fabric.find(peer)
-        if source is None or not source.data_up or source.faults.peer_down:
-            raise PeerUnavailable(f"peer {peer!r} is down")
+        if source is None or not source.data_up or source.faults.peer_down or source.incarnation != incarnation:
+            raise PeerUnavailable(f"peer {peer!r} is down (or restarted)")
         mine = self._fabric.node(self._name)
-        resolved = []
         with self._fabric.lock:
-            for run in runs:
-                src = source.regions.get(run.src_label)
-                dst = mine.regions.get(run.dst_label)
-                if src is None:
-                    raise TransportError(f"peer {peer!r} has no registered region {run.src_label!r}")
-                if dst is None:
-                    raise TransportError(f"{self._name} has no registered region {run.dst_label!r}")
-                if not _bounds(src, run.src_offset, run.nbytes) or not _bounds(dst, run.dst_offset, run.nbytes):
-                    raise TransportError(f"run {run} is out of the registered bounds")
-                resolved.append((dst.base + run.dst_offset, src.base + run.src_offset, run.nbytes))
-        latency = source.faults.latency_s
+            moves = _resolve(runs, source, mine, peer, self._name)
         handle = next(self._handles)
         with self._lock:
-            self._transfers[handle] = _Transfer(peer, tuple(resolved), self._clock.now() + latency)
+            self._transfers[handle] = _Transfer(peer, incarnation, moves, self._clock.now() + source.faults.latency_s)
         return handle
 
     def poll(self, handle: int) -> TransferState:
@@ -152,7 +164,7 @@ class MockDataPlane:
             if transfer.state is not TransferState.PENDING:
                 return transfer.state
             source = self._fabric.find(transfer.source)
-            if source is not None and source.faults.uncertain_cancel:
+            if source is not None and (source.faults.uncertain_cancel or source.faults.late_writes):
                 transfer.state = TransferState.UNCERTAIN  # still live: a later poll may land it
                 return transfer.state
             transfer.state = TransferState.CANCELLED
@@ -172,10 +184,12 @@ class MockDataPlane:
             live = [h for h, t in self._transfers.items() if not t.state.terminal]
             if live:
                 raise KvcrError(f"{self._name}: {len(live)} transfers are not terminal; cannot close")
+            self._transfers.clear()
             self._closed = True
         node = self._fabric.node(self._name)
         with self._fabric.lock:
-            node.regions.clear()
+            node.exposed.clear()
+            node.private.clear()
             node.data_up = False
 
     # -------------------------------------------------------------- internals
@@ -198,16 +212,49 @@ class MockDataPlane:
         if source is None or not source.data_up or faults.peer_down or faults.error:
             transfer.state = TransferState.FAILED
             return
-        runs = transfer.runs
+        if source.incarnation != transfer.incarnation:
+            transfer.state = TransferState.FAILED  # the source restarted: its memory is someone else's
+            return
+        moves = transfer.moves
         if faults.partial_runs is not None:
-            runs = runs[: faults.partial_runs]
-        for dst, src, nbytes in runs:
+            moves = moves[: faults.partial_runs]
+        for dst, src, nbytes in moves:
             ctypes.memmove(dst, src, nbytes)
             if faults.corrupt:
                 flipped = ctypes.string_at(dst, 1)[0] ^ 0xFF
                 ctypes.memset(dst, flipped, 1)
-        partial = faults.partial_runs is not None and faults.partial_runs < len(transfer.runs)
+        partial = faults.partial_runs is not None and faults.partial_runs < len(transfer.moves)
         transfer.state = TransferState.FAILED if partial else TransferState.DONE
+
+
+def _resolve(
+    runs: Sequence[PieceRun], source: _Node, mine: _Node, peer: str, name: str
+) -> tuple[tuple[int, int, int], ...]:
+    """Byte moves for ``runs`` (one per run when both regions are dense), after every check."""
+    moves: list[tuple[int, int, int]] = []
+    for run in runs:
+        src = source.exposed.get(run.src)
+        if src is None:
+            raise TransportError(f"peer {peer!r} exposes no region {run.src}")
+        dst = mine.exposed.get(run.dst) or mine.private.get(run.dst)
+        if dst is None:
+            raise TransportError(f"{name} has no registered region {run.dst}")
+        if src.piece_bytes != dst.piece_bytes:
+            raise TransportError(f"run {run}: piece sizes differ ({src.piece_bytes} vs {dst.piece_bytes})")
+        if (
+            run.count <= 0
+            or run.src_first < 0
+            or run.dst_first < 0
+            or run.src_first + run.count > src.count
+            or run.dst_first + run.count > dst.count
+        ):
+            raise TransportError(f"run {run} is out of the registered bounds")
+        if src.dense and dst.dense:
+            moves.append((dst.address(run.dst_first), src.address(run.src_first), run.count * src.piece_bytes))
+        else:
+            for k in range(run.count):
+                moves.append((dst.address(run.dst_first + k), src.address(run.src_first + k), src.piece_bytes))
+    return tuple(moves)
 
 
 if TYPE_CHECKING:

@@ -23,7 +23,10 @@ class Faults:
     error: its reads end FAILED without copying.
     partial_runs: copy only the first N runs, then end FAILED.
     corrupt: copy, then flip the first byte of every run, and report DONE.
-    uncertain_cancel: a cancel cannot be confirmed (UNCERTAIN); the read may still land later.
+    uncertain_cancel: a cancel cannot be confirmed (UNCERTAIN); the read may still land later,
+        but a disconnect stops it (it then ends FAILED).
+    late_writes: like uncertain_cancel, and not even a disconnect stops it (a transport that
+        cannot fence a given-up read, e.g. emulated RMA over TCP); connect reports it.
     latency_s: time from post to completion on the injected clock.
     """
 
@@ -33,6 +36,7 @@ class Faults:
     partial_runs: int | None = None
     corrupt: bool = False
     uncertain_cancel: bool = False
+    late_writes: bool = False
     latency_s: float = 0.0
 
 
@@ -51,7 +55,9 @@ class ControlFaults:
 
 @dataclass
 class _Node:
-    regions: dict[str, RegionDescriptor] = field(default_factory=dict)
+    exposed: dict[int, RegionDescriptor] = field(default_factory=dict)
+    private: dict[int, RegionDescriptor] = field(default_factory=dict)
+    next_region: int = 1
     faults: Faults = Faults()
     control_faults: ControlFaults = ControlFaults()
     served: int = 0
@@ -84,4 +90,5 @@ class MockFabric:
                 node.data_up = False
                 node.control_up = False
                 node.handler = None
-                node.regions.clear()
+                node.exposed.clear()
+                node.private.clear()

@@ -7,10 +7,11 @@ leaves destinations half-written exactly as a real failure would.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import xxhash
 
 from kvcr.ports.errors import MemoryCopyError, RegistrationError
 from kvcr.ports.memory import Allocation, Move
@@ -48,11 +49,11 @@ class MockHostMemory:
     def read(self, address: int, nbytes: int) -> bytes:
         return ctypes.string_at(address, nbytes)
 
-    def checksum(self, extents: Sequence[tuple[int, int]]) -> bytes:
-        digest = hashlib.blake2b(digest_size=16)
+    def digest(self, extents: Sequence[tuple[int, int]], seed: bytes) -> bytes:
+        hasher = xxhash.xxh3_128(seed)
         for address, nbytes in extents:
-            digest.update((ctypes.c_char * nbytes).from_address(address))
-        return digest.digest()
+            hasher.update((ctypes.c_char * nbytes).from_address(address))
+        return hasher.digest()
 
     @property
     def live_allocations(self) -> int:

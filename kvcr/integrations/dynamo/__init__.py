@@ -12,10 +12,10 @@ when an object that needs them is built.
 """
 
 from kvcr.integrations.dynamo.capability import control_endpoints_for, publish_hint_capability
-from kvcr.integrations.dynamo.events import MEDIUM, DynamoInventorySink
 from kvcr.integrations.dynamo.forwarding import kv_hints_from_request
 from kvcr.integrations.dynamo.hints import BlockingHintProducer, HintProducer
-from kvcr.integrations.dynamo.page_tokens import PageTokenRegistry, default_registry
+from kvcr.integrations.shared.kv_events import MEDIUM, DynamoInventorySink
+from kvcr.integrations.shared.page_tokens import PageTokenRegistry, default_registry
 
 __all__ = [
     "MEDIUM",

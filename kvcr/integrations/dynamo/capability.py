@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.hints import Endpoint
+from kvcr.domain.topology import RankLayout
 
 if TYPE_CHECKING:
-    from kvcr.integrations.sglang.settings import KvcrSettings
+    from kvcr.integrations.shared.settings import KvcrSettings
 
 ROUTER_HINT = "router_hint"
 ROUTER_HINT_SOURCE_CONTROL_ENDPOINTS = "router_hint_source_control_endpoints"
@@ -107,7 +108,7 @@ def control_endpoints_for(
             wildcard, or a size is not positive.
     """
     if isinstance(settings, Mapping):
-        from kvcr.integrations.sglang.settings import parse_settings
+        from kvcr.integrations.shared.settings import parse_settings
 
         settings = parse_settings(settings)
     for name, value in (("dp_size", dp_size), ("tp_size", tp_size), ("attn_cp_size", attn_cp_size)):
@@ -118,10 +119,12 @@ def control_endpoints_for(
     if not settings.control_port:
         raise ConfigError("control_port is 0 (peer service off): there is no control endpoint to advertise")
     host = settings.control_advertise_host or settings.control_host
-    stride = tp_size * attn_cp_size
-    ports = {dp_start_rank + d: settings.control_port + d * stride for d in range(dp_size)}
-    if max(ports.values()) > 65535:
-        raise ConfigError(f"control_port {settings.control_port} + {dp_size - 1} * {stride} runs past 65535")
+    ports = {
+        dp_start_rank + d: RankLayout(tp_size=tp_size, cp_size=attn_cp_size, dp_rank=d).control_port(
+            settings.control_port
+        )
+        for d in range(dp_size)
+    }
     return check_control_endpoints({rank: f"tcp://{_bracket(host)}:{port}" for rank, port in ports.items()})
 
 

@@ -5,12 +5,17 @@ hooks (see ``hints_bridge``):
 
 * around ``Scheduler._prefetch_kvcache(req, ...)``: remember ``req.kv_hints`` under ``req.rid``;
 * around the cache controllers' ``_storage_hit_query(operation)`` and ``_page_transfer(operation)``:
-  make that request's hint current on the prefetch thread while the backend is called.
+  make that request's hint current on the prefetch thread while the backend is called; when the
+  outermost ``_page_transfer`` returns, the request's prefetch is over (``prefetch_finished``);
+* around ``_sync_prefetch_hit_query(operation, count)``: the hit after SGLang's MIN all-reduce
+  across ranks; pages past it will not be read (``prefetch_trimmed``);
+* after ``UnifiedRadixCache.revoke_pending_prefetch(request)``: a prefetch dropped before any
+  read (``prefetch_finished``). Backends release the leases those pages hold at once.
 
 A hint is advisory: a request without one, or a malformed one, is served from local DRAM only.
 
 One more hook captures token ids for kvcr's KV events (see
-``kvcr.integrations.dynamo.page_tokens``): around ``HiCacheController._page_backup(operation)``,
+``kvcr.integrations.shared.page_tokens``): around ``HiCacheController._page_backup(operation)``,
 which runs on the backup thread right before the KV pages go to ``batch_set_v1`` and only when
 this rank really backs KV up (``HybridCacheController`` reaches it through ``super()``). It
 records each page's tokens under ``operation.hash_value``, the keys storage receives. It does
@@ -23,8 +28,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvcr.integrations.dynamo.page_tokens import default_registry
-from kvcr.integrations.sglang import hints_bridge
+from kvcr.integrations.shared import hints_bridge
+from kvcr.integrations.shared.page_tokens import default_registry
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +38,7 @@ _CONTROLLERS = (
     "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController",
 )
 _BACKUP = "sglang.srt.managers.cache_controller.HiCacheController._page_backup"
+_REVOKE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.revoke_pending_prefetch"
 _loaded = False
 
 
@@ -46,6 +52,48 @@ def _record_request_hint(original: Callable[..., Any], scheduler: Any, req: Any,
 def _with_request_hint(original: Callable[..., Any], controller: Any, operation: Any, *args: Any, **kwargs: Any) -> Any:
     with hints_bridge.active(getattr(operation, "request_id", None)):
         return original(controller, operation, *args, **kwargs)
+
+
+def _transfer_with_request_hint(
+    original: Callable[..., Any], controller: Any, operation: Any, *args: Any, **kwargs: Any
+) -> Any:
+    request_id = getattr(operation, "request_id", None)
+    outermost = hints_bridge.current_request() is None  # the hybrid controller nests super()._page_transfer
+    try:
+        with hints_bridge.active(request_id):
+            return original(controller, operation, *args, **kwargs)
+    finally:
+        if outermost and request_id is not None:
+            _notify(hints_bridge.prefetch_finished, str(request_id))
+
+
+def _trim_to_synced_hit(
+    original: Callable[..., Any], controller: Any, operation: Any, hit_tokens: Any, *args: Any, **kwargs: Any
+) -> Any:
+    synced = original(controller, operation, hit_tokens, *args, **kwargs)
+    request_id = getattr(operation, "request_id", None)
+    try:
+        pages = int(synced) // int(controller.page_size)
+        hashes = list(getattr(operation, "all_hash_values", None) or ())
+    except (TypeError, ValueError, AttributeError):
+        return synced
+    if request_id is not None:
+        _notify(hints_bridge.prefetch_trimmed, str(request_id), hashes[:pages])
+    return synced
+
+
+def _finish_revoked(result: Any, cache: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+    del result, cache, args, kwargs  # an AFTER hook: None keeps the original's result
+    rid = getattr(request, "rid", None)
+    if rid is not None:
+        _notify(hints_bridge.prefetch_finished, str(rid))
+
+
+def _notify(call: Callable[..., None], *args: Any) -> None:
+    try:
+        call(*args)
+    except Exception:  # releasing early is an optimisation: never cost SGLang its prefetch
+        log.warning("kvcr: could not release leases early; they expire on their own", exc_info=True)
 
 
 def _capture_backup_tokens(
@@ -85,8 +133,10 @@ def load() -> None:
         "sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache", _record_request_hint, HookType.AROUND
     )
     for controller in _CONTROLLERS:
-        for method in ("_storage_hit_query", "_page_transfer"):
-            HookRegistry.register(f"{controller}.{method}", _with_request_hint, HookType.AROUND)
+        HookRegistry.register(f"{controller}._storage_hit_query", _with_request_hint, HookType.AROUND)
+        HookRegistry.register(f"{controller}._page_transfer", _transfer_with_request_hint, HookType.AROUND)
+        HookRegistry.register(f"{controller}._sync_prefetch_hit_query", _trim_to_synced_hit, HookType.AROUND)
+    HookRegistry.register(_REVOKE, _finish_revoked, HookType.AFTER)
     HookRegistry.register(_BACKUP, _capture_backup_tokens, HookType.AROUND)
     _loaded = True
     log.info("kvcr: request hints are forwarded to the HiCache storage backend; backed-up page tokens are captured")

@@ -252,7 +252,7 @@ def test_pages_whose_parent_is_unknown_are_left_out_with_one_warning(caplog):
     assert registry.page(pages[3]).placed is False and registry.page(pages[4]).placed is True
     publisher = FakePublisher()
     sink = DynamoInventorySink(publisher, block_size=P, tokens=registry)
-    with caplog.at_level("WARNING", logger="kvcr.integrations.dynamo.events"):
+    with caplog.at_level("WARNING", logger="kvcr.integrations.shared.kv_events"):
         sink.publish(InventoryEvent(InventoryKind.STORED, "kv", tuple(pages[3:])))
         sink.publish(InventoryEvent(InventoryKind.STORED, "kv", tuple(pages[3:])))
     assert publisher.batches == []

@@ -15,7 +15,7 @@ import pytest
 
 from kvcr.adapters.local import MmapHostMemory
 from kvcr.adapters.zmq import ZmqControlChannel
-from kvcr.bench.peer import HostPool, bench_keys, bench_pool, build_node, page_pattern
+from kvcr.testing.replica import HostPool, bench_keys, bench_pool, build_node, page_pattern
 from kvcr.domain.outcomes import Outcome
 from kvcr.ports.errors import PeerRefused
 from kvcr.runner.peer_client import PeerSettings, PoolRead
@@ -37,7 +37,7 @@ class Source:
         cmd = [
             sys.executable,
             "-m",
-            "kvcr.bench.peer",
+            "kvcr.testing.replica",
             "--port",
             str(self.port),
             "--pages",

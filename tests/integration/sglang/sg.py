@@ -13,7 +13,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from kvcr.bench.sglang import host_pool
+from kvcr.testing.sglang import host_pool
 from tests.support import free_port as free_port  # re-exported for these tests
 
 P, L, H, D, MLA_DIM = 16, 4, 2, 8, 12

@@ -15,8 +15,8 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
-from kvcr.bench.sglang import PAGE_TOKENS, backend, host_pool, storage_config
-from kvcr.bench.sglang_peer import expected_pages
+from kvcr.testing.sglang import PAGE_TOKENS, backend, host_pool, storage_config
+from kvcr.testing.sglang_replica import expected_pages
 from kvcr.domain.keys import router_id
 from tests.support import free_port
 
@@ -28,7 +28,7 @@ def start_replica_a(pages: int, layers: int, seed: int) -> tuple[subprocess.Pope
     cmd = [
         sys.executable,
         "-m",
-        "kvcr.bench.sglang_peer",
+        "kvcr.testing.sglang_replica",
         "--port",
         str(free_port()),
         "--pages",

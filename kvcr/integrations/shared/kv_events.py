@@ -27,7 +27,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcr.domain.keys import router_id_signed
-from kvcr.integrations.dynamo.page_tokens import CapturedPage
+from kvcr.integrations.shared.page_tokens import CapturedPage
 from kvcr.ports.inventory import InventoryEvent, InventoryKind, KvEventPublisher
 
 log = logging.getLogger(__name__)

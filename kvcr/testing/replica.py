@@ -1,6 +1,6 @@
 """A replica for peer tests and benchmarks: a runner node over NIXL + ZMQ holding known pages.
 
-``python -m kvcr.bench.peer --port P --pages N --page-bytes B`` builds a node, fills a host pool
+``python -m kvcr.testing.replica --port P --pages N --page-bytes B`` builds a node, fills a host pool
 with pages whose bytes are a function of their page hash (``page_pattern``), backs them up,
 prints one ``READY {json}`` line (endpoint, namespace, page hashes) and serves until stdin closes
 or it is killed. Another process builds the same pool geometry (``bench_pool``) to share the
@@ -10,51 +10,26 @@ namespace, and can check every restored byte against ``page_pattern``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import hashlib
 import json
 import logging
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvcr.adapters.local import MmapHostMemory
 from kvcr.container import build_container
-from kvcr.domain.deadlines import DeadlineBudget
-from kvcr.domain.keys import page_hashes
+from kvcr.domain.deadlines import Timing
+from kvcr.domain.keys import NamespaceSpec, page_hashes
 from kvcr.domain.layout import ComponentSpec, RegionDescriptor
 from kvcr.domain.pools import PoolSpec
 from kvcr.ports.memory import Allocation, HostMemory
-from kvcr.runner.config import RunnerConfig, namespace_for
+from kvcr.runner.config import RunnerConfig
 from kvcr.runner.node import NodeSettings, RunnerNode
 from kvcr.runner.peer_client import PeerSettings
 
 PAGE_TOKENS = 64
-
-
-def free_port_block(count: int = 1) -> int:
-    """The first of ``count`` consecutive loopback TCP ports that nothing listens on right now.
-
-    Fixed ports collide with the ephemeral ports the kernel hands to outgoing connections (UCX and
-    ZMQ open many), so tests, demos and benchmarks ask the kernel instead.
-    """
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = int(probe.getsockname()[1])
-        if first + count > 65535:
-            continue
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(first + 1, first + count):
-                    held = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                    held.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
-    raise RuntimeError(f"no block of {count} free loopback ports found")
 
 
 def bench_pool(page_bytes: int) -> PoolSpec:
@@ -114,23 +89,23 @@ def build_node(
     slots: int,
     *,
     token: bytes | None = None,
-    settings: PeerSettings | None = None,
+    timing: Timing | None = None,
+    peer: PeerSettings | None = None,
     transport: str = "nixl",
+    verify_bytes: bool = True,
 ) -> RunnerNode:
+    """A node holding ``slots`` pages of ``page_bytes``, built through the composition root."""
     pool = bench_pool(page_bytes)
-    peer = settings or PeerSettings()
     config = RunnerConfig(
         name,
-        namespace_for("kvcr-bench", PAGE_TOKENS, "bfloat16", "page_first", (pool,)),
+        NamespaceSpec("kvcr-bench", PAGE_TOKENS, "bfloat16", "page_first"),
         (pool,),
         dram_bytes=slots * pool.page_bytes,
-        budget=DeadlineBudget(peer.operation_s, peer.abandon_s),
-        lease_s=peer.lease_s,
-        lease_margin_s=peer.lease_margin_s,
+        timing=timing or Timing(),
+        verify_bytes=verify_bytes,
     )
-    node_settings = NodeSettings("127.0.0.1", port, token=token, peer=peer)
-    container = build_container(config, node=node_settings, transport=transport, control="zmq")
-    return container.node()
+    node_settings = NodeSettings("127.0.0.1", port, token=token, peer=peer or PeerSettings())
+    return build_container(config, node=node_settings, transport=transport, control="zmq").node()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     token = Path(args.token_file).read_bytes().strip() if args.token_file else None
-    settings = PeerSettings(lease_s=args.lease_ms / 1000, lease_margin_s=min(0.5, args.lease_ms / 4000))
-    node = build_node(args.name, args.port, args.page_bytes, args.pages, token=token, settings=settings)
+    timing = Timing(lease_s=args.lease_ms / 1000, lease_margin_s=min(0.5, args.lease_ms / 4000))
+    node = build_node(args.name, args.port, args.page_bytes, args.pages, token=token, timing=timing)
     pool = bench_pool(args.page_bytes)
     host = HostPool.allocate(MmapHostMemory(), pool, args.pages)
     node.register_host_pool("kv", host.regions)

@@ -1,6 +1,6 @@
 """An SGLang replica for cross-process tests and benchmarks: kvcr as its HiCache backend over NIXL.
 
-``python -m kvcr.bench.sglang_peer --port P --pages N --layers L`` builds SGLang 0.5.23's real
+``python -m kvcr.testing.sglang_replica --port P --pages N --layers L`` builds SGLang 0.5.23's real
 ``MHATokenToKVPoolHost`` (the shape of ``kvcr.bench.sglang``), creates ``KvcrHiCacheStorage``
 through SGLang's storage factory with transport ``nixl`` and control port ``P``, fills ``N`` pages
 from a seeded generator, backs them up with ``batch_set_v1``, prints one ``READY {json}`` line
@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from kvcr.bench.sglang import LAYER_BYTES, PAGE_TOKENS, backend, host_pool, prepare_environment, storage_config
+from kvcr.testing.sglang import LAYER_BYTES, PAGE_TOKENS, backend, host_pool, prepare_environment, storage_config
 
 
 def page_keys(pages: int) -> list[str]:

@@ -1,0 +1,227 @@
+"""Start one rank's kvcr from SGLang's storage config, kvcr's settings and the registered host pools.
+
+Everything SGLang-specific about composition lives here: the rank's place (including the DP
+replica index SGLang does not hand storage under pure DP), which pools are replicated (MLA KV)
+and which TP-sharded (Mamba state), the namespace, the runner and node settings, and the KV-event
+sink. The node itself is built by the composition root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvcr.container import InventoryFactory, KvEventsSettings, build_container
+from kvcr.domain.errors import ConfigError, LayoutError
+from kvcr.domain.keys import NamespaceSpec
+from kvcr.domain.pools import HitPolicy
+from kvcr.domain.topology import RankLayout
+from kvcr.integrations.sglang.pools import DescribedPool, describe_host_pool
+from kvcr.integrations.shared.kv_events import DynamoInventorySink
+from kvcr.integrations.shared.page_tokens import default_registry
+from kvcr.integrations.shared.settings import KvcrSettings
+from kvcr.ports.inventory import KvEventPublisher
+from kvcr.ports.metrics import Metrics
+from kvcr.runner.config import RunnerConfig
+from kvcr.runner.node import NodeSettings, RunnerNode
+from kvcr.runner.peer_client import PeerSettings
+from kvcr.runner.prefetch import PrefetchBook
+from kvcr.runner.restore import Restorer
+from kvcr.runner.runner import KvcrRunner
+
+log = logging.getLogger(__name__)
+
+KV = "kv"
+SHARDED_POOLS = frozenset({"mamba"})  # TP-sharded state next to replicated MLA KV (Mamba, KDA)
+
+
+def rank_layout(config: Any) -> RankLayout:
+    """This rank's TP/CP coordinates and its DP replica index."""
+    return RankLayout(
+        tp_rank=config.tp_rank,
+        tp_size=config.tp_size,
+        cp_rank=config.attn_cp_rank,
+        cp_size=max(1, config.attn_cp_size),
+        dp_rank=dp_index(config),
+    )
+
+
+def dp_index(config: Any) -> int:
+    """Which DP replica (or attention-DP group) this rank belongs to.
+
+    SGLang sets ``dp_rank`` only under DP attention; under pure DP every replica sees 0 and the
+    replica index lives in SGLang's parallel context (``dp_rank``, or ``SGLANG_DP_RANK``). Both
+    combine: replica * attention-DP groups + group.
+    """
+    replica, groups = 0, 1
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        replica = int(getattr(parallel, "dp_rank", None) or 0)
+        groups = int(getattr(parallel, "attn_dp_size", None) or 1)
+    except Exception:  # no parallel context published (tests, tools): fall back to the environment
+        replica = int(os.environ.get("SGLANG_DP_RANK", "0") or 0)
+    return replica * groups + int(config.dp_rank)
+
+
+def replicated(pool: str, config: Any) -> bool:
+    """Whether ``pool``'s bytes are identical on every TP rank (MLA KV and its companions)."""
+    return bool(config.is_mla_model) and pool not in SHARDED_POOLS
+
+
+def check_topology(config: Any, settings: KvcrSettings) -> None:
+    """Refuse, at construction, what kvcr cannot serve correctly; each message names what to change."""
+    if config.pp_size > 1:
+        raise ConfigError(
+            "kvcr refuses pipeline parallelism (pp_size > 1): storage keys carry no stage identity, so a "
+            "peer could serve another stage's KV"
+        )
+    if config.should_split_heads:
+        raise ConfigError(
+            "kvcr refuses heterogeneous TP head splitting: a peer's shard would not match this rank's heads"
+        )
+    if config.dcp_size > 1:
+        raise ConfigError("kvcr does not support decode context parallelism (dcp_size > 1) yet")
+    if config.is_mla_model and config.tp_size > 1 and not settings.control_port:
+        raise ConfigError(
+            "MLA at TP > 1 needs control_port: only TP rank 0 backs up the replicated KV and the other ranks "
+            "read it from rank 0's kvcr; with control_port 0 they could never hit. Set control_port "
+            "(e.g. 32100)"
+        )
+
+
+@dataclass
+class Started:
+    """One rank's kvcr, running."""
+
+    runner: KvcrRunner
+    node: RunnerNode | None
+    restorer: Restorer
+    metrics: Metrics
+    described: dict[str, DescribedPool]
+    layout: RankLayout
+    kv_events: DynamoInventorySink | None
+
+    @property
+    def page_size(self) -> int:
+        return self.described[KV].page_size
+
+    def close(self) -> None:
+        try:
+            if self.node is not None:
+                self.node.close()
+            else:
+                self.runner.close()
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.close()  # the router forgets this replica's pages
+
+
+def start(config: Any, settings: KvcrSettings, token: bytes | None, host_pools: Mapping[str, Any]) -> Started:
+    """Describe the host pools, build the runner (and node), and register the pools with them."""
+    if KV not in host_pools:
+        raise LayoutError("no KV host pool was registered")
+    layout = rank_layout(config)
+    described = {
+        name: _with_shard(
+            describe_host_pool(name, pool, anchor=name == KV, hit_policy=HitPolicy.ALL_PAGES), layout, config
+        )
+        for name, pool in host_pools.items()
+    }
+    anchor = described[KV]
+    runner_config = RunnerConfig(
+        # NIXL agent names must be unique across the cluster (and across backends in one process).
+        name=f"kvcr-{socket.gethostname()}-{os.getpid()}-dp{layout.dp_rank}-r{layout.rank_offset}-{uuid.uuid4().hex[:8]}",
+        namespace=NamespaceSpec(config.model_name or "unknown", anchor.page_size, anchor.dtype, anchor.layout),
+        pools=tuple(d.spec for d in described.values()),
+        dram_bytes=settings.dram_bytes,
+        policy=settings.policy,
+        timing=settings.timing(),
+        verify_bytes=settings.verify_bytes,
+    )
+    node_settings = None
+    if settings.control_port:
+        node_settings = NodeSettings(
+            settings.control_host,
+            layout.control_port(settings.control_port),
+            advertise_host=settings.control_advertise_host,
+            token=token,
+            allow_unauthenticated=settings.allow_unauthenticated,
+            peer=PeerSettings(
+                max_pages_per_read=settings.read_batch_pages,
+                landing=settings.landing,
+                recompute_tokens_per_s=settings.recompute_tokens_per_s,
+                tokens_per_page=anchor.page_size,
+                max_links=settings.max_peer_links,
+            ),
+        )
+    sink: list[DynamoInventorySink] = []
+    kv_events, inventory = _kv_events(settings, layout, anchor.page_size, sink)
+    control = "mock" if settings.transport == "mock" else "zmq"
+    container = build_container(
+        runner_config,
+        node=node_settings,
+        kv_events=kv_events,
+        inventory=inventory,
+        transport=settings.transport,
+        control=control,
+    )
+    try:
+        node: RunnerNode | None = container.node() if node_settings is not None else None
+        runner = node.runner if node is not None else container.runner()
+        for name, d in described.items():
+            if d.spec.physical:
+                (node or runner).register_host_pool(name, d.regions)
+    except BaseException:
+        for published in sink:  # the publisher was bound: free its port for a retry
+            published.close()
+        raise
+    book = PrefetchBook(node.client) if node is not None else None
+    restorer = Restorer(runner, node.client if node is not None else None, book)
+    log.info(
+        "kvcr started: namespace %s, pools %s, endpoint %s, kv events %s",
+        runner.namespace,
+        {n: d.spec.page_bytes for n, d in described.items()},
+        node.endpoint if node is not None else "none (local only)",
+        kv_events.endpoint if kv_events is not None else "off",
+    )
+    return Started(runner, node, restorer, container.metrics(), described, layout, sink[0] if sink else None)
+
+
+def _with_shard(described: DescribedPool, layout: RankLayout, config: Any) -> DescribedPool:
+    spec = dataclasses.replace(described.spec, shard=layout.shard(replicated(described.spec.name, config)))
+    return dataclasses.replace(described, spec=spec)
+
+
+def _kv_events(
+    settings: KvcrSettings, layout: RankLayout, page_size: int, sink: list[DynamoInventorySink]
+) -> tuple[KvEventsSettings | None, InventoryFactory | None]:
+    """The KV-event publisher of this DP replica, if configured and this rank publishes.
+
+    One publisher per DP replica, on its attention rank 0 (the rank that holds the replica's
+    pages in every layout, and the rank a hint's endpoint names); DP replica ``d`` binds the
+    configured port + ``d``, as SGLang's own KV-event publishers do.
+    """
+    endpoint = settings.kv_events_endpoint
+    if endpoint is None or layout.rank_offset != 0:
+        return None, None
+    if layout.dp_rank:
+        head, _, port = endpoint.rpartition(":")
+        if int(port) + layout.dp_rank > 65535:
+            raise ConfigError(f"kv_events_endpoint port {port} + dp rank {layout.dp_rank} runs past 65535")
+        endpoint = f"{head}:{int(port) + layout.dp_rank}"
+    registry = default_registry()
+    registry.enable()  # the plugin's backup hook records page tokens from now on
+
+    def factory(publisher: KvEventPublisher) -> DynamoInventorySink:
+        sink.append(DynamoInventorySink(publisher, block_size=page_size, tokens=registry))
+        return sink[-1]
+
+    return KvEventsSettings(endpoint, settings.kv_events_topic, layout.dp_rank), factory

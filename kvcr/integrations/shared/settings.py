@@ -1,0 +1,239 @@
+"""Typed settings for the SGLang backend, parsed once from ``storage_config.extra_config``.
+
+Every key is documented in ``docs/sglang.md``. SGLang's own routing keys are accepted and
+ignored; any other unknown key, or a value of the wrong type or out of range, fails construction
+with one line naming the key (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvcr.domain.deadlines import MAX_TIMEOUT_S, Timing
+from kvcr.domain.errors import ConfigError
+from kvcr.domain.eviction import POLICIES
+from kvcr.domain.hints import Endpoint
+from kvcr.domain.units import parse_byte_size
+from kvcr.runner.peer_client import LANDINGS
+
+TRANSPORTS = ("nixl", "mock")
+MIN_TOKEN_BYTES = 16
+MAX_TOKEN_BYTES = 4096
+
+# Keys SGLang itself reads from the same dict (routing of the dynamic backend and prefetch tuning).
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "tp_lcm_size",
+        "file_storage_path",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class KvcrSettings:
+    transport: str = "nixl"
+    dram_bytes: int = 8 << 30
+    control_host: str = "127.0.0.1"
+    control_port: int = 32100
+    control_advertise_host: str | None = None
+    enable_remote_hint: bool = False
+    operation_timeout_ms: int = 5000
+    abandon_timeout_ms: int = 10000
+    control_timeout_ms: int = 250
+    connect_timeout_ms: int = 2000
+    lease_ms: int = 10000
+    peer_retry_ms: int = 1000
+    read_batch_pages: int = 128
+    verify_bytes: bool = True
+    landing: str = "auto"
+    auth_token_file: str | None = None
+    allow_unauthenticated: bool = False
+    peer_allowlist: tuple[str, ...] = ()
+    recompute_tokens_per_s: float = 0.0
+    max_peer_links: int = 64
+    policy: str = "lru"
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = "kv-events"
+
+    def timing(self) -> Timing:
+        """The one Timing every part of this rank's kvcr uses."""
+        lease_s = self.lease_ms / 1000
+        return Timing(
+            operation_s=self.operation_timeout_ms / 1000,
+            abandon_s=self.abandon_timeout_ms / 1000,
+            control_s=self.control_timeout_ms / 1000,
+            connect_s=self.connect_timeout_ms / 1000,
+            lease_s=lease_s,
+            lease_margin_s=min(0.5, lease_s / 4),
+            retry_after_s=self.peer_retry_ms / 1000,
+        )
+
+    def token(self) -> bytes | None:
+        """The cluster token's bytes (read once at start-up), or None; see :func:`read_token_file`."""
+        return None if self.auth_token_file is None else read_token_file(self.auth_token_file)
+
+    def allows(self, host: str) -> bool:
+        """Whether a hinted source at ``host`` is one the operator allows (any, without an allowlist)."""
+        if not self.peer_allowlist:
+            return True
+        try:
+            address = ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            return host in self.peer_allowlist
+        for entry in self.peer_allowlist:
+            try:
+                if address in ipaddress.ip_network(entry, strict=False):
+                    return True
+            except ValueError:
+                if entry == host:
+                    return True
+        return False
+
+
+def read_token_file(path: str) -> bytes:
+    """Read the cluster token: a regular file, not readable by others, 16..4096 bytes, no NUL.
+
+    Checked before it is opened, so a FIFO or a device cannot hang start-up.
+    """
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise ConfigError(f"auth_token_file {path!r}: cannot read it: {exc.strerror}") from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"auth_token_file {path!r} is not a regular file")
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(
+            f"auth_token_file {path!r} is readable or writable by group or others (mode "
+            f"{stat.S_IMODE(info.st_mode):o}); chmod 600 it"
+        )
+    if info.st_size > MAX_TOKEN_BYTES:
+        raise ConfigError(f"auth_token_file {path!r} is larger than {MAX_TOKEN_BYTES} bytes")
+    try:
+        with open(path, "rb") as handle:
+            token = handle.read(MAX_TOKEN_BYTES + 1).strip()
+    except OSError as exc:
+        raise ConfigError(f"auth_token_file {path!r}: cannot read it: {exc.strerror}") from exc
+    if b"\x00" in token:
+        raise ConfigError(f"auth_token_file {path!r} contains a NUL byte")
+    if len(token) < MIN_TOKEN_BYTES:
+        raise ConfigError(f"auth_token_file {path!r}: the token must be at least {MIN_TOKEN_BYTES} bytes")
+    return token
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "transport": (str,),
+    "control_host": (str,),
+    "control_port": (int,),
+    "control_advertise_host": (str, type(None)),
+    "enable_remote_hint": (bool,),
+    "operation_timeout_ms": (int,),
+    "abandon_timeout_ms": (int,),
+    "control_timeout_ms": (int,),
+    "connect_timeout_ms": (int,),
+    "lease_ms": (int,),
+    "peer_retry_ms": (int,),
+    "read_batch_pages": (int,),
+    "verify_bytes": (bool,),
+    "landing": (str,),
+    "auth_token_file": (str, type(None)),
+    "allow_unauthenticated": (bool,),
+    "peer_allowlist": (list,),
+    "recompute_tokens_per_s": (int, float),
+    "max_peer_links": (int,),
+    "policy": (str,),
+    "kv_events_endpoint": (str, type(None)),
+    "kv_events_topic": (str,),
+}
+_TIMES = ("operation_timeout_ms", "abandon_timeout_ms", "control_timeout_ms", "connect_timeout_ms", "lease_ms")
+
+
+def parse_settings(extra_config: Mapping[str, Any] | None) -> KvcrSettings:
+    """Validate and convert the extra-config dict; raise ConfigError naming the first bad key."""
+    values: dict[str, Any] = {}
+    for key, value in (extra_config or {}).items():
+        if key in SGLANG_KEYS:
+            continue
+        if key == "dram_bytes":
+            values[key] = parse_byte_size(value, name="dram_bytes")
+            continue
+        expected = _TYPES.get(key)
+        if expected is None:
+            known = sorted([*_TYPES, "dram_bytes"])
+            raise ConfigError(f"unknown kvcr setting {key!r}; known settings: {', '.join(known)}")
+        # bool is an int subclass: refuse True for an int setting and 1 for a bool one.
+        if isinstance(value, bool) != (bool in expected) or not isinstance(value, expected):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in expected)
+            raise ConfigError(f"kvcr setting {key!r} must be {names}, got {_shown(value)}")
+        if isinstance(value, list):
+            value = _allowlist(value)
+        values[key] = value
+    settings = KvcrSettings(**values)
+    _check(settings)
+    return settings
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _allowlist(entries: list[Any]) -> tuple[str, ...]:
+    for entry in entries:
+        if not isinstance(entry, str) or not entry:
+            raise ConfigError(f"peer_allowlist entries must be hosts or networks (strings), got {_shown(entry)}")
+    return tuple(entries)
+
+
+def _check(s: KvcrSettings) -> None:
+    if s.transport not in TRANSPORTS:
+        raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {_shown(s.transport)}")
+    if s.dram_bytes <= 0:
+        raise ConfigError("dram_bytes must be positive")
+    if not 0 <= s.control_port < 65536:
+        raise ConfigError(f"control_port must be in 0..65535 (0 disables the peer service), got {s.control_port}")
+    for key in _TIMES:
+        value = getattr(s, key)
+        if not 0 < value <= MAX_TIMEOUT_S * 1000:
+            raise ConfigError(f"{key} must be in 1..{int(MAX_TIMEOUT_S * 1000)}, got {value}")
+    if not 0 < s.peer_retry_ms <= MAX_TIMEOUT_S * 1000:
+        raise ConfigError(f"peer_retry_ms must be in 1..{int(MAX_TIMEOUT_S * 1000)}, got {s.peer_retry_ms}")
+    for key in ("read_batch_pages", "max_peer_links"):
+        if not 0 < getattr(s, key) <= 1 << 16:
+            raise ConfigError(f"{key} must be in 1..65536, got {getattr(s, key)}")
+    if s.recompute_tokens_per_s < 0:
+        raise ConfigError(f"recompute_tokens_per_s must not be negative, got {s.recompute_tokens_per_s}")
+    if s.landing not in LANDINGS:
+        raise ConfigError(f"landing must be one of {', '.join(LANDINGS)}, got {_shown(s.landing)}")
+    if s.policy not in POLICIES:
+        raise ConfigError(f"policy must be one of {', '.join(sorted(POLICIES))}, got {_shown(s.policy)}")
+    if s.enable_remote_hint and s.control_port == 0:
+        raise ConfigError("enable_remote_hint needs a control_port (peers and hints name control endpoints)")
+    s.timing()  # the cross-field rules (abandon >= operation, control <= operation, lease > margin)
+    if s.kv_events_endpoint is not None:
+        _check_events_endpoint(s.kv_events_endpoint)
+
+
+def _check_events_endpoint(endpoint: str) -> None:
+    host_port = endpoint[len("tcp://") :] if endpoint.startswith("tcp://") else None
+    if host_port is None:
+        raise ConfigError(f"kv_events_endpoint must be tcp://host:port, got {_shown(endpoint)}")
+    host, _, port = host_port.rpartition(":")
+    if host in ("*", "0.0.0.0", "[::]"):
+        host = "127.0.0.1"  # a wildcard bind is fine for a PUB; check the port only
+    try:
+        Endpoint.parse(f"tcp://{host}:{port}")
+    except ValueError as exc:
+        raise ConfigError(f"kv_events_endpoint: {exc}") from exc

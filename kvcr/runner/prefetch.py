@@ -1,0 +1,152 @@
+"""The lease book between an engine's hit query and its prefetch reads.
+
+An engine asks "how many pages can you restore?" (hit query) before it allocates host pages and
+reads them (prefetch). For pages a peer holds, kvcr leases them at hit-query time, so the count
+it answers is exact, and reads under that lease at prefetch time with no control traffic. The
+book holds those leases between the two calls, keyed by (pool, page):
+
+- a page already held by a live lease is never leased again (repeated or concurrent queries);
+- pages an engine will not read are released as soon as that is known: when the engine cuts the
+  hit (``trim``: SGLang's MIN all-reduce across ranks), when the request's prefetch ends or is
+  revoked (``finish``), and when a lease can no longer be read in time (``sweep``, run on every
+  call);
+- a lease is released (one-way) once every page it holds was read or dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvcr.runner.peer_client import PeerClient, RemoteLease
+
+Page = tuple[str, str]  # (pool, page hash)
+
+
+@dataclass
+class _Held:
+    lease: RemoteLease
+    pending: set[Page] = field(default_factory=set)
+    request: str | None = None
+
+
+class PrefetchBook:
+    """Remote leases taken at hit-query time, waiting for the reads. Thread-safe."""
+
+    def __init__(self, client: PeerClient) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._pages: dict[Page, _Held] = {}
+        self._requests: dict[str, set[int]] = {}
+        self._by_id: dict[int, _Held] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pages)
+
+    def held(self, pool: str, page: str) -> RemoteLease | None:
+        """The live lease holding ``(pool, page)``, if any."""
+        with self._lock:
+            self._sweep()
+            held = self._pages.get((pool, page))
+            return held.lease if held is not None else None
+
+    def add(self, lease: RemoteLease, pages: Iterable[Page], request: str | None) -> None:
+        """Book ``pages`` of ``lease`` for a later read; pages already booked elsewhere are not taken twice."""
+        release = False
+        with self._lock:
+            self._sweep()
+            held = _Held(lease, request=request)
+            for item in pages:
+                if item not in self._pages and lease.holds(*item):
+                    held.pending.add(item)
+                    self._pages[item] = held
+            if held.pending:
+                self._by_id[id(held)] = held
+                if request is not None:
+                    self._requests.setdefault(request, set()).add(id(held))
+            else:
+                release = True
+        if release:
+            self._client.release(lease)
+
+    def take(self, pages: Sequence[Page]) -> list[tuple[RemoteLease, list[Page]]]:
+        """Group booked ``pages`` by the lease holding them (the caller reads, then calls ``done``)."""
+        groups: dict[int, tuple[RemoteLease, list[Page]]] = {}
+        with self._lock:
+            self._sweep()
+            for item in pages:
+                held = self._pages.get(item)
+                if held is not None:
+                    groups.setdefault(id(held), (held.lease, []))[1].append(item)
+        return list(groups.values())
+
+    def done(self, pages: Iterable[Page]) -> None:
+        """These pages were read (or will not be): drop them, releasing leases left with nothing."""
+        self._drop(pages)
+
+    def trim(self, request: str, keep: Sequence[str]) -> None:
+        """The engine will read at most ``keep`` of ``request``'s pages: drop the rest of its bookings."""
+        keep_set = set(keep)
+        with self._lock:
+            items = [
+                item
+                for hid in self._requests.get(request, ())
+                for item in self._by_id[hid].pending
+                if item[1] not in keep_set
+            ]
+        self._drop(items)
+
+    def finish(self, request: str) -> None:
+        """``request``'s prefetch ended (done, revoked or terminated): release everything it still books."""
+        with self._lock:
+            items = [item for hid in self._requests.pop(request, ()) for item in self._by_id[hid].pending]
+        self._drop(items)
+
+    def close(self) -> None:
+        """Release every lease."""
+        with self._lock:
+            leases = [h.lease for h in self._by_id.values()]
+            self._pages.clear()
+            self._by_id.clear()
+            self._requests.clear()
+        for lease in leases:
+            self._client.release(lease)
+
+    # ------------------------------------------------------------------ internals
+
+    def _drop(self, pages: Iterable[Page]) -> None:
+        finished: list[RemoteLease] = []
+        with self._lock:
+            for item in pages:
+                held = self._pages.get(item)
+                if held is None:
+                    continue
+                del self._pages[item]
+                held.pending.discard(item)
+                if not held.pending:
+                    finished.append(held.lease)
+                    self._forget(held)
+        for lease in finished:
+            self._client.release(lease)
+
+    def _sweep(self) -> None:
+        """Forget leases that can no longer be read in time (caller holds the lock)."""
+        dead = [h for h in self._by_id.values() if not self._client.alive(h.lease)]
+        for held in dead:
+            for item in held.pending:
+                if self._pages.get(item) is held:
+                    del self._pages[item]
+            held.pending.clear()
+            self._forget(held)
+            held.lease.released = True  # expired at the source too: nothing to send
+
+    def _forget(self, held: _Held) -> None:
+        self._by_id.pop(id(held), None)
+        if held.request is not None:
+            ids = self._requests.get(held.request)
+            if ids is not None:
+                ids.discard(id(held))
+                if not ids:
+                    del self._requests[held.request]

@@ -1,0 +1,121 @@
+"""SGLang 0.5.23's real classes on the CPU, as kvcr's tests, benchmarks and replica processes use them.
+
+``host_pool`` builds a real ``MHATokenToKVPoolHost`` (page_first, bf16, 64-token pages, 8 heads x
+128 dims; the layer count sets the page size); ``storage_config`` a single-rank
+``HiCacheStorageConfig`` selecting kvcr; ``backend`` creates and registers kvcr the way SGLang
+does (factory ``dynamic`` route, then the pools). On a CPU-only machine SGLang needs an
+import-only torchvision; ``prepare_environment`` uses the repo's test stub when none is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+PAGE_TOKENS, HEADS, HEAD_DIM = 64, 8, 128
+LAYER_BYTES = 2 * PAGE_TOKENS * HEADS * HEAD_DIM * 2  # K and V of one layer of one page, bf16
+
+
+def prepare_environment() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    for var, sub in (
+        ("SGLANG_CACHE_DIR", "sglang"),
+        ("TORCH_EXTENSIONS_DIR", "torch_extensions"),
+        ("TRITON_CACHE_DIR", "triton"),
+        ("HF_HOME", "huggingface"),
+    ):
+        os.environ.setdefault(var, str(repo / ".cache" / sub))
+    stubs = repo / "tests" / "stubs"
+    if importlib.util.find_spec("torchvision") is None and stubs.is_dir():
+        sys.path.append(str(stubs))
+
+
+def host_pool(
+    layers: int,
+    pages: int,
+    *,
+    page_tokens: int = PAGE_TOKENS,
+    heads: int = HEADS,
+    head_dim: int = HEAD_DIM,
+    layout: str = "page_first",
+) -> Any:
+    """SGLang's real MHA host pool on the CPU (bf16), holding exactly ``pages`` pages."""
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+    from sglang.srt.mem_cache.pool_host.common import make_kernel_ptr_table
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    tokens = page_tokens  # the device pool only lends shapes; the host pool is sized explicitly
+    k = tuple(torch.zeros(tokens, heads, head_dim, dtype=torch.bfloat16) for _ in range(layers))
+    v = tuple(torch.zeros(tokens, heads, head_dim, dtype=torch.bfloat16) for _ in range(layers))
+    info = MHABufferInfo(
+        buffers=KVBuffers(
+            k=k,
+            v=v,
+            k_data_ptrs=make_kernel_ptr_table(list(k), "cpu", host_memory_registered=False),
+            v_data_ptrs=make_kernel_ptr_table(list(v), "cpu", host_memory_registered=False),
+            layout=KVBufferLayout.NHD,
+        ),
+        page_size=page_tokens,
+        head_num=heads,
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    return MHATokenToKVPoolHost(
+        info,
+        1.0,
+        0,
+        page_tokens,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=tokens,
+        start_layer=0,
+        end_layer=layers,
+        host_token_capacity=pages * page_tokens,
+    )
+
+
+def storage_config(port: int, **settings: Any) -> Any:
+    """A single-rank HiCacheStorageConfig selecting kvcr (nixl transport unless ``settings`` say otherwise)."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    extra = {
+        "backend_name": "kvcr",
+        "module_path": "kvcr.integrations.sglang",
+        "class_name": "KvcrHiCacheStorage",
+        "interface_v1": 1,
+        "transport": "nixl",
+        "control_port": port,
+        "dram_bytes": "256MiB",
+    }
+    extra.update(settings)
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="bench",
+        extra_config=extra,
+    )
+
+
+def backend(host: Any, config: Any) -> Any:
+    """Create and register the backend the way SGLang does: factory (dynamic route), then the pools."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    store = StorageBackendFactory.create_backend("dynamic", config, host)
+    store.register_mem_pool_host(host)
+    store.register_mem_host_pool_v2(host, "kv")
+    store.on_host_pools_registered()
+    return store
