@@ -442,22 +442,29 @@ class NixlDataPlane:
     # ------------------------------------------------------------------ the read path
 
     def _indices(self, link: _Peer, runs: Sequence[PieceRun]) -> tuple[list[int], list[int]]:
-        """Piece indices on both sides, after every check (TransportError: nothing is posted)."""
+        """Piece indices on both sides, after every check (TransportError: nothing is posted).
+
+        The hot path of a read: region lookups only when a run's region differs from the last.
+        """
         remote, local = link.extents, self._extents
         src_index: list[int] = []
         dst_index: list[int] = []
         add_src, add_dst = src_index.append, dst_index.append
+        src_id = dst_id = -1
+        s_first = s_count = d_first = d_count = 0
         for run in runs:
-            src, dst = remote.get(run.src), local.get(run.dst)
-            if src is None:
-                raise TransportError(f"run {run}: peer {link.name!r} exposes no region {run.src}")
-            if dst is None:
-                raise TransportError(f"run {run}: {self._name} has no registered region {run.dst}")
-            s_first, s_count, s_piece = src
-            d_first, d_count, d_piece = dst
+            if run.src != src_id or run.dst != dst_id:
+                src, dst = remote.get(run.src), local.get(run.dst)
+                if src is None:
+                    raise TransportError(f"run {run}: peer {link.name!r} exposes no region {run.src}")
+                if dst is None:
+                    raise TransportError(f"run {run}: {self._name} has no registered region {run.dst}")
+                if src[2] != dst[2]:
+                    raise TransportError(f"run {run}: piece sizes differ ({src[2]} vs {dst[2]})")
+                src_id, dst_id = run.src, run.dst
+                s_first, s_count, _ = src
+                d_first, d_count, _ = dst
             count, src_first, dst_first = run.count, run.src_first, run.dst_first
-            if s_piece != d_piece:
-                raise TransportError(f"run {run}: piece sizes differ ({s_piece} vs {d_piece})")
             if count <= 0 or src_first < 0 or dst_first < 0 or src_first + count > s_count:
                 raise TransportError(f"run {run} is out of the registered bounds")
             if dst_first + count > d_count:
