@@ -45,8 +45,8 @@ error) when it resumes. Hence:
 Progress. NIXL's own progress thread is used with ``pthrDelay`` = ``progress_wake_s``: it sleeps in
 ``poll()`` on the UCX worker's event fd and wakes on traffic (wire-up, keep-alive, tcp READs), so an
 idle data plane costs no measurable CPU and a new peer's wire-up takes milliseconds. (The Python
-wrapper forces ``pthrDelay=0``, which spins a core; the agent is built here with the binding's own
-config.) ``progress_wake_s=None`` turns progress off entirely: then this agent progresses only
+wrapper forces ``pthrDelay=0``, which spins a core; ``agent.py`` builds the agent with the binding's
+own config.) ``progress_wake_s=None`` turns progress off entirely: then this agent progresses only
 inside our calls, and peers cannot wire up to it while it sits idle.
 
 Threading: every call into the agent is made under one lock (NIXL's agent runs with thread-sync
@@ -68,8 +68,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
+from kvcr.adapters.nixl import wire
+from kvcr.adapters.nixl.agent import build_agent, transport_report
+from kvcr.adapters.nixl.wire import Description, Extent
 from kvcr.domain.errors import KvcrError
 from kvcr.domain.layout import PieceRun, RegionDescriptor
 from kvcr.ports.dataplane import PeerInfo, TransferState
@@ -80,36 +81,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DESCRIPTION_VERSION = 2
 BEACON_BYTES = 256 << 10  # a tcp READ of this size cannot complete within SYNC_WINDOW_S of its post
 SCRATCH_SLOTS = 8  # concurrent connects; a slot whose READ never ended stays taken
 SYNC_WINDOW_S = 50e-6  # a look at the slot later than this after the post proves nothing
 _INIT_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for "our own side" of a prepared list
 _STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING, "ERR": TransferState.FAILED}
-_build_lock = threading.Lock()  # the agent is built with a swapped-in binding config (see _build_agent)
-
-
-class _RegionWire(msgspec.Struct, array_like=True, frozen=True):
-    id: int
-    base: int
-    stride: int
-    count: int
-    piece_bytes: int
-
-
-class _Description(msgspec.Struct, frozen=True):
-    version: int
-    name: str
-    incarnation: bytes
-    host: str
-    metadata: bytes  # NIXL partial metadata: the exposed regions and the beacon, with connection info
-    regions: list[_RegionWire]
-    beacon: int
-    beacon_digest: bytes
-
-
-# A region as the hot path needs it: (index of piece 0 in its prepared list, count, piece bytes).
-_Extent = tuple[int, int, int]
 
 
 @dataclass(slots=True)
@@ -124,7 +100,7 @@ class _Peer:
     name: str
     description: bytes
     incarnation: bytes
-    extents: dict[int, _Extent]
+    extents: dict[int, Extent]
     dlist: Any
     loaded: bool  # its metadata is loaded in our agent (False: a loopback to ourselves)
     info: PeerInfo | None = None  # None until the warm-up READ came back
@@ -168,7 +144,7 @@ class NixlDataPlane:
         self._lock = threading.Lock()
         self._closed = False
         self._locals: dict[int, _Local] = {}
-        self._extents: dict[int, _Extent] = {}
+        self._extents: dict[int, Extent] = {}
         self._local_dlist: Any = None
         self._region_ids = itertools.count(1)
         self._description: bytes | None = None
@@ -177,9 +153,9 @@ class NixlDataPlane:
         self._retired: list[Any] = []  # prepared lists replaced while transfers may use them
         self._handles = itertools.count(1)
         self._incarnation = os.urandom(8)
-        self._host = _host_identity()
+        self._host = wire.host_identity()
         self.metadata_loads = 0  # add_remote_agent calls, for observability and tests
-        self._agent, self._np, self._peer_errors = _build_agent(name, self._params, progress_wake_s)
+        self._agent, self._np, self._peer_errors = build_agent(name, self._params, progress_wake_s)
         # The beacon peers read to wire up and to learn how our reads complete; scratch slots are
         # where our own such reads land (a slot is reused only after its READ has ended).
         self._beacon = ctypes.create_string_buffer(os.urandom(BEACON_BYTES), BEACON_BYTES)
@@ -199,7 +175,7 @@ class NixlDataPlane:
     @property
     def transport_report(self) -> ZeroCopyReport:
         """Whether UCX has a zero-copy path here (measured once per process and setting, on first use)."""
-        return _probe_once(self._params)
+        return transport_report(self._params)
 
     @property
     def live_transfers(self) -> int:
@@ -268,15 +244,15 @@ class NixlDataPlane:
                 rows.append((ctypes.addressof(self._beacon), BEACON_BYTES, 0, ""))
                 descs = self._agent.get_reg_descs(rows, "DRAM")
                 metadata = bytes(self._agent.get_partial_agent_metadata(descs, inc_conn_info=True))
-                wire = [_RegionWire(i, r.base, r.stride, r.count, r.piece_bytes) for i, r in exposed]
-                self._description = msgspec.msgpack.encode(
-                    _Description(
-                        DESCRIPTION_VERSION,
+                table = [wire.RegionWire(i, r.base, r.stride, r.count, r.piece_bytes) for i, r in exposed]
+                self._description = wire.encode(
+                    Description(
+                        wire.DESCRIPTION_VERSION,
                         self._name,
                         self._incarnation,
                         self._host,
                         metadata,
-                        wire,
+                        table,
                         ctypes.addressof(self._beacon),
                         self._beacon_digest,
                     )
@@ -284,7 +260,7 @@ class NixlDataPlane:
             return self._description
 
     def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
-        desc, extents, rows = _decode(description)
+        desc, extents, rows = wire.decode(description)
         deadline = time.monotonic() + max(0.0, timeout_s)
         name = desc.name
         with self._lock:
@@ -594,7 +570,7 @@ class NixlDataPlane:
                 link.closing = True
                 self._finish_closing(link)
 
-    def _reads_complete_in_post(self, link: _Peer, desc: _Description, deadline: float) -> bool:
+    def _reads_complete_in_post(self, link: _Peer, desc: Description, deadline: float) -> bool:
         """Whether READs from this peer land their bytes before ``transfer()`` returns (CMA).
 
         The slot is looked at right after the post; a look finished later than ``SYNC_WINDOW_S``
@@ -621,13 +597,13 @@ class NixlDataPlane:
         return self._agent.register_memory([(base, nbytes, 0, "")], "DRAM")
 
     def _rebuild_local(self, *, exposed_changed: bool) -> None:
-        extents: dict[int, _Extent] = {}
+        extents: dict[int, Extent] = {}
         rows: list[list[int]] = []
         first = 0
         for region_id, entry in self._locals.items():
             region = entry.region
             extents[region_id] = (first, region.count, region.piece_bytes)
-            rows.append(_row(region))
+            rows.append(wire.row(region))
             first += region.count
         dlist = self._prep(_INIT_AGENT, rows) if rows else None
         self._retire(self._local_dlist)
@@ -695,105 +671,8 @@ class NixlDataPlane:
             raise TransportError(f"data plane {self._name!r} is closed")
 
 
-def _row(region: RegionDescriptor) -> list[int]:
-    """A region as one strided row of a prepared list: piece ``i`` is the row's element ``i``."""
-    stride = region.stride if region.count > 1 else region.piece_bytes
-    return [region.base, region.piece_bytes, 0, stride, region.count]
-
-
-def _decode(description: bytes) -> tuple[_Description, dict[int, _Extent], list[list[int]]]:
-    try:
-        desc = msgspec.msgpack.decode(description, type=_Description)
-    except (msgspec.MsgspecError, TypeError) as exc:
-        raise PeerUnavailable(f"unreadable peer description: {exc}") from exc
-    if desc.version != DESCRIPTION_VERSION:
-        raise PeerUnavailable(f"peer description version {desc.version}, expected {DESCRIPTION_VERSION}")
-    if not desc.name:
-        raise PeerUnavailable("peer description has no name")
-    extents: dict[int, _Extent] = {}
-    rows: list[list[int]] = []
-    first = 0
-    for wire in desc.regions:
-        try:
-            region = RegionDescriptor(str(wire.id), wire.base, wire.stride, wire.count, wire.piece_bytes)
-        except KvcrError as exc:
-            raise PeerUnavailable(f"peer {desc.name!r} describes an unusable region: {exc}") from exc
-        if wire.id in extents:
-            raise PeerUnavailable(f"peer {desc.name!r} describes region {wire.id} twice")
-        extents[wire.id] = (first, region.count, region.piece_bytes)
-        rows.append(_row(region))
-        first += region.count
-    return desc, extents, rows
-
-
-def _build_agent(
-    name: str, params: dict[str, str], wake_s: float | None
-) -> tuple[Any, Any, tuple[type[Exception], ...]]:
-    try:
-        import numpy
-        from nixl import _bindings
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError as exc:
-        raise TransportError(f"NIXL is not installed (pip install nixl-cu13==1.5.1 --no-deps): {exc}") from exc
-    _quiet_nixl_logging()
-    try:
-        config = nixl_agent_config(enable_prog_thread=wake_s is not None, enable_listen_thread=False, backends=[])
-        if wake_s is None:
-            agent = nixl_agent(name, config)
-        else:
-            # The wrapper hard-codes pthrDelay=0 (a thread that spins a core); give the binding our
-            # own config for this agent's name only, so another agent built meanwhile keeps its own.
-            raw = _bindings.nixlAgentConfig()
-            raw.useProgThread = True
-            raw.useListenThread = False
-            raw.pthrDelay = round(wake_s * 1e6)
-            with _build_lock:
-                original = _bindings.nixlAgent
-
-                def build(agent_name: str, agent_config: Any) -> Any:
-                    return original(agent_name, raw if agent_name == name else agent_config)
-
-                _bindings.nixlAgent = build
-                try:
-                    agent = nixl_agent(name, config)
-                finally:
-                    _bindings.nixlAgent = original
-        if "UCX" not in agent.get_plugin_list():
-            raise TransportError("NIXL has no UCX plugin")
-        agent.create_backend("UCX", params)
-    except TransportError:
-        raise
-    except Exception as exc:
-        raise TransportError(f"cannot create NIXL agent {name!r} with UCX {params}: {exc}") from exc
-    peer_errors = (_bindings.nixlRemoteDisconnectError, _bindings.nixlNotFoundError)
-    return agent, numpy, peer_errors
-
-
-def _host_identity() -> str:
-    """This host and process context as CMA sees them: boot id, pid namespace, uid ("" if unknown)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            boot_id = boot.read().strip()
-        return f"{boot_id}/{os.stat('/proc/self/ns/pid').st_ino}/{os.getuid()}"
-    except OSError:
-        return ""
-
-
 def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
-
-
-def _quiet_nixl_logging() -> None:
-    """NIXL's wrapper logs INFO lines to *stdout* on every agent; keep warnings, unless told otherwise.
-
-    A process whose stdout carries a protocol (a READY line, JSON) breaks on them. NIXL_LOG_LEVEL,
-    NIXL's own switch, still wins when set.
-    """
-    if os.environ.get("NIXL_LOG_LEVEL"):
-        return
-    nixl_logger = logging.getLogger("nixl")
-    if nixl_logger.getEffectiveLevel() < logging.WARNING:
-        nixl_logger.setLevel(logging.WARNING)
 
 
 def _attempt(failures: list[str], what: str, call: Any, *args: Any) -> None:
@@ -801,22 +680,6 @@ def _attempt(failures: list[str], what: str, call: Any, *args: Any) -> None:
         call(*args)
     except Exception as exc:
         failures.append(f"{what}: {exc}")
-
-
-_probe_lock = threading.Lock()
-_probe_reports: dict[tuple[object, ...], ZeroCopyReport] = {}
-
-
-def _probe_once(params: dict[str, str]) -> ZeroCopyReport:
-    """One probe per process and transport setting: UCX's choice does not change in between."""
-    from kvcr.adapters.nixl.probe import check_zero_copy
-
-    key = (tuple(sorted(params.items())), os.environ.get("UCX_TLS"), os.environ.get("UCX_NET_DEVICES"))
-    with _probe_lock:
-        report = _probe_reports.get(key)
-        if report is None:
-            report = _probe_reports[key] = check_zero_copy(backend_params=params)
-        return report
 
 
 if TYPE_CHECKING:

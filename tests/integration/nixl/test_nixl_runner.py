@@ -48,7 +48,8 @@ def nodes():
 
     def make(name):
         pools = (kv_pool(PIECE),)
-        config = RunnerConfig(name, NamespaceSpec("m", 4, "bf16", "page_first"), pools, dram_bytes=16 * pools[0].page_bytes)
+        namespace = NamespaceSpec("m", 4, "bf16", "page_first")
+        config = RunnerConfig(name, namespace, pools, dram_bytes=16 * pools[0].page_bytes)
         settings = NodeSettings("127.0.0.1", free_port(), close_lease_wait_s=0.2)
         container = build_container(config, node=settings, transport="nixl", control="mock", memory="mock")
         container.fabric.override(fabric)
