@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +84,10 @@ class FrozenSource:
 
     def freeze(self):
         os.kill(self.proc.pid, signal.SIGSTOP)
+        # The signal is asynchronous: a READ posted before every thread stopped could be answered.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not _stopped(self.proc.pid):
+            time.sleep(0.002)
 
     def resume(self):
         os.kill(self.proc.pid, signal.SIGCONT)
@@ -97,6 +102,14 @@ class FrozenSource:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=5)
+
+
+def _stopped(pid):
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/stat") as stat:
+            states.append(stat.read().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(state in "Tt" for state in states)
 
 
 @contextlib.contextmanager

@@ -94,6 +94,18 @@ class Child:
 
     def signal(self, sig):
         os.kill(self.pid, sig)
+        if sig == signal.SIGSTOP:  # the signal is asynchronous: wait until every thread is stopped
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not self._stopped():
+                time.sleep(0.002)
+
+    def _stopped(self):
+        tasks = f"/proc/{self.pid}/task"
+        states = []
+        for task in os.listdir(tasks):
+            with contextlib.suppress(OSError), open(f"{tasks}/{task}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        return bool(states) and all(state in "Tt" for state in states)
 
     def close(self):
         if self.proc.poll() is None:
