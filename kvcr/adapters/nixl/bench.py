@@ -1,6 +1,6 @@
 """Cost of the NIXL adapter: raw NIXL READs vs NixlDataPlane.read+poll vs memcpy, same run, same bytes.
 
-    python -m kvcr.adapters.nixl.bench [--processes 1|2] [--pieces 64K,2M,8M] [--batches 32,128]
+    python -m kvcr.adapters.nixl.bench [--processes 1|2] [--pieces 64K,2M,8M] [--batches 32,128] [--idle-s 10]
 
 For each page size x batch, a source data plane holds ``batch`` pages (random bytes) and the
 target reads all of them into ``batch`` host pages, in random order on both sides (so nothing
@@ -9,13 +9,15 @@ merges). The source lives in this process (two agents, one process) or in a chil
 
 - ``raw``: a separate NIXL agent of ours, prepared strided lists made once, index arrays made
   once; per repetition ``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state`` + ``release``.
-- ``kvcr``: ``NixlDataPlane.read(peer, runs)`` + ``poll`` to DONE + ``release``, from CopyRuns.
+- ``kvcr``: ``NixlDataPlane.read(peer, runs)`` + ``poll`` to DONE + ``release``, from PieceRuns
+  made by ``slot_runs`` (as the runner makes them).
 - ``raw-init``: the same agent, ``initialize_xfer`` from Nx3 (address, length, 0) arrays built
   once (the un-prepared alternative the adapter could have used).
 - ``memcpy``: one ``numpy.copyto`` of the same byte count, in the target process.
 
 Reported: p50 latency and GB/s (1e9 B) of each, and the ratios kvcr/raw (latency) and
-raw/memcpy, kvcr/memcpy (throughput).
+raw/memcpy, kvcr/memcpy (throughput). ``--idle-s`` then measures the CPU the connected pair of
+data planes uses while idle (this process, and the source process with ``--processes 2``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvcr.adapters.nixl.dataplane import NixlDataPlane
-from kvcr.domain.layout import CopyRun, RegionDescriptor, coalesce
+from kvcr.domain.layout import PieceRun, RegionDescriptor, slot_runs
 from kvcr.ports.dataplane import TransferState
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -78,34 +80,37 @@ def _size(text: str) -> int:
 class _Source:
     """A data plane holding one region of random pages; rebuilt per page size."""
 
-    def __init__(self, name: str, pump_s: float | None) -> None:
+    def __init__(self, name: str, wake_s: float | None) -> None:
         import numpy
 
         self._np = numpy
-        self.plane = NixlDataPlane(name, progress_interval_s=pump_s)
+        self.plane = NixlDataPlane(name, progress_wake_s=wake_s)
         self.array: Any = None
-        self._label = ""
+        self._ids: tuple[int, ...] = ()
 
     def setup(self, piece: int, count: int, seed: int) -> bytes:
         np = self._np
-        if self._label:
-            self.plane.deregister([self._label])
+        if self._ids:
+            self.plane.deregister(self._ids)
         self.array = np.random.default_rng(seed).integers(0, 256, piece * count, dtype=np.uint8)
-        self._label = f"arena-{piece}-{count}"
-        self.plane.register([RegionDescriptor(self._label, self.array.ctypes.data, piece, count, piece)])
+        region = RegionDescriptor(f"arena-{piece}-{count}", self.array.ctypes.data, piece, count, piece)
+        self._ids = self.plane.register([region], exposed=True)
         return self.plane.describe()
 
     def close(self) -> None:
         self.plane.close()
 
 
-def _source_process(conn: Any, name: str, pump_s: float | None) -> None:
-    source = _Source(name, pump_s)
+def _source_process(conn: Any, name: str, wake_s: float | None) -> None:
+    source = _Source(name, wake_s)
     try:
         while True:
             message = conn.recv()
             if message[0] == "stop":
                 break
+            if message[0] == "cpu":
+                conn.send(time.process_time())
+                continue
             conn.send(source.setup(*message[1:]))
     finally:
         source.close()
@@ -121,7 +126,14 @@ def _spin(poll: Callable[[], str]) -> str:
     return state
 
 
-def run(pieces: list[int], batches: list[int], reps: int, processes: int, pump_s: float | None = 0.005) -> list[Row]:
+def run(
+    pieces: list[int],
+    batches: list[int],
+    reps: int,
+    processes: int,
+    wake_s: float | None = 0.1,
+    idle_s: float = 0.0,
+) -> list[Row]:
     import numpy as np
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -130,7 +142,7 @@ def run(pieces: list[int], batches: list[int], reps: int, processes: int, pump_s
     if processes == 2:
         context = multiprocessing.get_context("spawn")
         conn, child_conn = context.Pipe()
-        child = context.Process(target=_source_process, args=(child_conn, f"{tag}-src", pump_s), daemon=True)
+        child = context.Process(target=_source_process, args=(child_conn, f"{tag}-src", wake_s), daemon=True)
         child.start()
 
         def setup(piece: int, count: int, seed: int) -> bytes:
@@ -138,11 +150,18 @@ def run(pieces: list[int], batches: list[int], reps: int, processes: int, pump_s
             if not conn.poll(120):
                 raise TimeoutError("the source process did not answer")
             return bytes(conn.recv())
+
+        def source_cpu() -> float:
+            conn.send(("cpu",))
+            return float(conn.recv())
     else:
-        local_source = _Source(f"{tag}-src", pump_s)
+        local_source = _Source(f"{tag}-src", wake_s)
         setup = local_source.setup
 
-    plane = NixlDataPlane(f"{tag}-kvcr", progress_interval_s=pump_s)
+        def source_cpu() -> float:
+            return 0.0  # it is this process: counted with us
+
+    plane = NixlDataPlane(f"{tag}-kvcr", progress_wake_s=wake_s)
     raw = nixl_agent(f"{tag}-raw", nixl_agent_config(enable_prog_thread=False, backends=[]))
     raw.create_backend("UCX", {})
     rows = []
@@ -152,22 +171,19 @@ def run(pieces: list[int], batches: list[int], reps: int, processes: int, pump_s
                 rng = np.random.default_rng(piece + batch)
                 description = setup(piece, batch, piece ^ batch)
                 fields = _fields(description)
-                src_region = fields["regions"][0]
+                src_id, base = fields["regions"][0][:2]
                 dst = np.zeros(piece * batch, dtype=np.uint8)
                 dst_region = RegionDescriptor("host", dst.ctypes.data, piece, batch, piece)
                 memcpy_src = np.ones(piece * batch, dtype=np.uint8)
-                plane.register([dst_region])
-                peer = plane.connect(description)
+                (dst_id,) = plane.register([dst_region], exposed=False)
+                peer = plane.connect(description, 10.0).name
                 slots, places = rng.permutation(batch), rng.permutation(batch)
-                src_desc = RegionDescriptor(src_region[0], *src_region[1:])
-                runs: list[CopyRun] = coalesce(
-                    [(src_desc, int(s), dst_region, int(d)) for s, d in zip(slots, places, strict=True)]
-                )
+                pairs = [(int(s), int(d)) for s, d in zip(slots, places, strict=True)]
+                runs = [PieceRun(src_id, s, dst_id, d, n) for s, d, n in slot_runs(pairs)]
                 # Raw NIXL, same descriptors.
                 registration = raw.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
                 raw_peer = raw.add_remote_agent(fields["metadata"])
                 raw_peer = raw_peer.decode() if isinstance(raw_peer, bytes) else str(raw_peer)
-                base = src_region[1]
                 remote = raw.prep_xfer_dlist(raw_peer, np.array([[base, piece, 0, piece, batch]], np.uint64), "DRAM")
                 local = raw.prep_xfer_dlist(
                     "NIXL_INIT_AGENT", np.array([[dst.ctypes.data, piece, 0, piece, batch]], np.uint64), "DRAM"
@@ -227,7 +243,16 @@ def run(pieces: list[int], batches: list[int], reps: int, processes: int, pump_s
                 raw.remove_remote_agent(raw_peer)
                 raw.deregister_memory(registration)
                 plane.disconnect(peer)
-                plane.deregister(["host"])
+                plane.deregister([dst_id])
+        if idle_s > 0:
+            ours, theirs, start = time.process_time(), source_cpu(), time.monotonic()
+            time.sleep(idle_s)
+            elapsed = time.monotonic() - start
+            idle = {"target_pct": 100 * (time.process_time() - ours) / elapsed}
+            if processes == 2:
+                idle["source_pct"] = 100 * (source_cpu() - theirs) / elapsed
+            figures = ", ".join(f"{key} {value:.2f} %" for key, value in idle.items())
+            print(f"idle CPU over {elapsed:.0f}s: {figures}", flush=True)
     finally:
         plane.close()
         if processes == 2:
@@ -258,13 +283,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--processes", type=int, choices=(1, 2), default=1)
     parser.add_argument(
-        "--pump-ms", type=float, default=5.0, help="progress pump period (0 = off: then connect cannot wire up)"
+        "--wake-ms", type=float, default=100.0, help="NIXL progress thread's longest sleep (0 = no thread: no wire-up)"
     )
+    parser.add_argument("--idle-s", type=float, default=0.0, help="then measure idle CPU for this long")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     pieces = [_size(p) for p in args.pieces.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    rows = run(pieces, batches, args.reps, args.processes, args.pump_ms / 1e3 if args.pump_ms > 0 else None)
+    wake = args.wake_ms / 1e3 if args.wake_ms > 0 else None
+    rows = run(pieces, batches, args.reps, args.processes, wake, args.idle_s)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump([asdict(r) for r in rows], handle, indent=1)

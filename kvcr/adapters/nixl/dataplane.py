@@ -1,152 +1,119 @@
-"""DataPlane over NIXL 1.5.1: one agent, UCX backend, one-sided READs from a peer's registered DRAM.
+"""DataPlane over NIXL 1.5.1: one agent, UCX backend, one-sided READs of a peer's exposed regions.
+
+What each behaviour below rests on was measured and is written up in ``docs/nixl-behaviour.md``
+(probes in ``scripts/probes/``).
 
 How the port maps onto NIXL:
 
-- ``register`` registers each region's extent (``base``, ``span``) as one DRAM descriptor, once.
-  Our regions are then described to NIXL as one *prepared* descriptor list, one strided row
+- ``register`` registers each region's extent (``base``, ``span``) as one DRAM descriptor, read-write
+  (NIXL 1.5.1 has no access flags, and a read-only mapping lets a peer's WRITE crash the source on
+  tcp). All our regions, exposed and private, form one *prepared* list, one strided row
   ``(base, piece_bytes, 0, stride, count)`` per region, so piece ``i`` of a region is index
-  ``first + i`` of the list. The list is rebuilt when regions come and go.
-- ``describe`` = NIXL agent metadata + our region table + name, as msgspec msgpack (versioned).
-- ``connect`` loads the peer's metadata (``add_remote_agent``), prepares one list over all of the
-  peer's regions the same way, and does a one-byte READ from it (see Progress) so the UCX wire-up
-  is done and the peer proven reachable before the first real read. A peer that restarted (same
-  name, new metadata) is removed and loaded again; the same description twice loads nothing.
-- ``read`` turns each run into piece indices on both sides and posts one ``make_prepped_xfer`` +
-  ``transfer``. NIXL merges consecutive indices into one descriptor, so a coalesced run costs one
-  copy. Runs that do not fall on piece boundaries (or pair different piece sizes) make the whole
-  read fall back to ``initialize_xfer`` with raw (address, length) descriptors.
+  ``first + i``; a read turns each ``PieceRun`` into indices with no offsets in between. NIXL merges
+  indices consecutive on both sides into one copy.
+- ``describe`` carries NIXL *partial* metadata naming only the exposed regions (and our beacon, see
+  below) with the connection info, plus the exposed region table. A peer's NIXL refuses, locally,
+  any descriptor outside it. That keeps honest peers off our private regions; it is not memory
+  protection: on CMA and tcp the remote key has no address range, so a peer that edits the
+  metadata reaches any address of this process. Metadata must only go to authenticated peers.
+- ``connect`` loads the peer's metadata (a new description of the same incarnation is loaded on
+  top: NIXL adds the sections), prepares one list over its exposed regions, and reads the peer's
+  *beacon* (``BEACON_BYTES`` of random bytes it exposes; their digest is in its description) into a
+  scratch slot of ours: that finishes UCX's wire-up within ``timeout_s`` and proves the peer
+  reachable. Then it reads the beacon twice more and looks at the slot right after ``transfer()``
+  returns: on CMA the bytes are already there (UCX copies with the reader's own worker, and NIXL's
+  post progresses it until idle); over tcp (emulated RMA) or RDMA they arrive later. Complete each
+  time, and the peer on this host (boot id, pid namespace and uid from its description): the peer
+  has no late writes. Otherwise ``PeerInfo.late_writes`` is True.
 
-Why prepared lists (measured on this 2-core CMA box, pages in random order, p50; ``python -m
-kvcr.adapters.nixl.bench``): a prepared READ was 1-3 % faster than ``initialize_xfer`` at 64 KiB
-x 32/128 (252 vs 259 us, 1054 vs 1065 us) and equal within noise at 2 and 8 MiB; making the
-request costs 2.2 vs 4.6 us for 32 descriptors; and 32 adjacent 4 KiB pieces took 14 us as 32
-prepared indices against 88 us as 32 raw descriptors, which ``initialize_xfer`` does not merge.
-The adapter itself (run translation, lock, handle table) adds about 0.2 us per run plus ~10 us
-per read: 5-9 % at 64 KiB pages, within noise at 2 MiB and 8 MiB.
+Late writes and cancellation (NIXL 1.5.1 cannot stop a READ). Over tcp a READ the source has not
+answered stays in progress with no error for as long as the source is frozen or the link is cut
+(60 s and 90 s measured), and every byte lands once it comes back, whatever the target did:
+``release()`` of the live handle succeeds and only detaches it, ``remove_remote_agent`` succeeds
+but the handle keeps the connection alive (its state then reads NOT_FOUND while the bytes still
+land). Only destroying the agent stops it, and that makes a frozen source abort (a UCX fatal
+error) when it resumes. Hence:
 
-Cancellation (what NIXL 1.5.1 really does). ``release_xfer_handle`` on a transfer still in
-progress calls ``nixlAgent::releaseXferReq``: it re-checks the state and, if still in progress,
-calls the UCX backend's ``releaseReqH``, which for every outstanding UCX request calls
-``ucp_request_cancel`` -- a no-op for RMA (it only cancels tag receives) -- and then
-``ucp_request_free``, which does not stop the operation but detaches it: UCX completes it in the
-background on a later progress call. The backend then returns success and the agent deletes the
-handle. So a *successful* release of an in-progress READ does not mean it stopped; it means we
-can no longer observe when it stops. Reproduced here: with ``UCX_TLS=tcp`` a 64 MiB READ was
-PROC, ``release()`` returned normally with 0 bytes landed, and after progressing both workers all
-64 MiB had landed in the destination. (Newer NIXL adds a bounded drain and a ``tryRelease`` that
-refuses to free an active request; the 1.5.1 UCX plugin has neither.)
-Hence ``cancel`` never releases a live handle: it returns the terminal state if the transfer
-already ended, otherwise UNCERTAIN, and keeps the handle so later polls can still see it reach
-DONE or FAILED (a late DONE is still a failure for the caller, see ``PeerClient``). There is no
-confirmed-stopped path for an in-flight READ in 1.5.1, so this adapter never answers CANCELLED.
+- ``cancel`` of a live READ from a peer without late writes answers CANCELLED: its bytes were all
+  copied inside the post, what is left is an endpoint flush (its NIXL handle is released at once);
+  from a peer with late writes it answers UNCERTAIN and keeps the handle observable.
+- a handle is never released while live (``release`` refuses).
+- ``disconnect`` fails a peer's live reads at once when it has no late writes; otherwise they stay
+  UNCERTAIN and the peer's NIXL connection is kept, closed for new reads, until its last read has
+  ended, so that those reads stay observable.
 
-Progress. With the progress thread off (the default: NIXL's thread busy-spins a core per agent,
-its wrapper hard-codes ``pthrDelay=0``), nothing progresses this agent's UCX worker while we do
-not call into it. A CMA READ needs no help from the source for the bytes, but with UCX's default
-``ucx_error_handling_mode=peer`` the endpoint wire-up and the keep-alive rounds do: measured here,
-a target's first READ never completed (5 s) while the source process did not progress, and about
-one READ in a few dozen stalled on a keep-alive until the source progressed
-(``UCX_KEEPALIVE_INTERVAL=inf`` made that go away). So each data plane runs a small pump thread
-that progresses its own agent every ``progress_interval_s`` (5 ms: about 1.3 % of a core here),
-under the same lock as every other agent call. With ``ucx_error_handling_mode=none`` neither
-stall happens (a dead peer was still reported, via the failed CMA syscall), but UCX loses its
-peer-failure handling, so that stays an opt-in through ``backend_params``. ``read`` also
-progresses once before posting, so a peer whose agent went away is seen (its socket closed)
-before a CMA copy from memory it no longer offers: CMA itself does not care about
-deregistration, a live process's mapped memory stays readable.
+Progress. NIXL's own progress thread is used with ``pthrDelay`` = ``progress_wake_s``: it sleeps in
+``poll()`` on the UCX worker's event fd and wakes on traffic (wire-up, keep-alive, tcp READs), so an
+idle data plane costs no measurable CPU and a new peer's wire-up takes milliseconds. (The Python
+wrapper forces ``pthrDelay=0``, which spins a core; ``agent.py`` builds the agent with the binding's
+own config.) ``progress_wake_s=None`` turns progress off entirely: then this agent progresses only
+inside our calls, and peers cannot wire up to it while it sits idle.
 
-Threading: every call into the agent is made under one lock (the agent runs with NIXL's
-thread-sync mode NONE). The bindings release the GIL during a call, so other Python threads run
-while a large CMA copy is done inside ``transfer``.
+Threading: every call into the agent is made under one lock (NIXL's agent runs with thread-sync
+mode NONE; the UCX worker is thread-safe when the progress thread is on). The bindings release the
+GIL during a call, so other Python threads run while a large CMA copy is done inside ``transfer``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import itertools
 import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
-from kvcr.adapters.nixl.probe import ZeroCopyReport, check_zero_copy
+from kvcr.adapters.nixl import wire
+from kvcr.adapters.nixl.agent import build_agent, transport_report
+from kvcr.adapters.nixl.wire import Description, Extent
 from kvcr.domain.errors import KvcrError
-from kvcr.domain.layout import CopyRun, RegionDescriptor
-from kvcr.ports.dataplane import TransferState
+from kvcr.domain.layout import PieceRun, RegionDescriptor
+from kvcr.ports.dataplane import PeerInfo, TransferState
 from kvcr.ports.errors import PeerUnavailable, RegistrationError, TransportError
+
+if TYPE_CHECKING:
+    from kvcr.adapters.nixl.probe import ZeroCopyReport
 
 log = logging.getLogger(__name__)
 
-DESCRIPTION_VERSION = 1
+BEACON_BYTES = 256 << 10  # a tcp READ of this size cannot complete within SYNC_WINDOW_S of its post
+SCRATCH_SLOTS = 8  # concurrent connects; a slot whose READ never ended stays taken
+SYNC_WINDOW_S = 50e-6  # a look at the slot later than this after the post proves nothing
 _INIT_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for "our own side" of a prepared list
 _STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING, "ERR": TransferState.FAILED}
 
 
-class _RegionWire(msgspec.Struct, array_like=True, frozen=True):
-    label: str
-    base: int
-    stride: int
-    count: int
-    piece_bytes: int
-
-
-class _Description(msgspec.Struct, frozen=True):
-    version: int
-    name: str
-    metadata: bytes
-    regions: list[_RegionWire]
-
-
-@dataclass(frozen=True, slots=True)
-class _Extent:
-    """A region as the hot path needs it: its place in a prepared list and plain-int geometry."""
-
+@dataclass(slots=True)
+class _Local:
     region: RegionDescriptor
-    first: int  # index of piece 0 in the prepared list
-    base: int
-    span: int
-    stride: int
-    piece: int
-    dense: bool
+    exposed: bool
+    registration: Any
 
 
 @dataclass(slots=True)
 class _Peer:
     name: str
     description: bytes
-    metadata: bytes
-    extents: dict[str, _Extent]
-    dlist: Any  # prepared list over all its regions (None when it has none)
-    loaded: bool  # whether its metadata is loaded in our agent (False: a loopback to ourselves)
+    incarnation: bytes
+    extents: dict[int, Extent]
+    dlist: Any
+    loaded: bool  # its metadata is loaded in our agent (False: a loopback to ourselves)
+    info: PeerInfo | None = None  # None until the warm-up READ came back
+    closing: bool = False  # disconnected, kept loaded until its live reads have ended
 
 
 @dataclass(slots=True)
 class _Transfer:
-    xfer: Any  # NIXL xfer handle; None for an empty read
+    xfer: Any  # NIXL xfer handle; None once released (or for an empty read)
     peer: str
+    late_writes: bool
     state: TransferState
-
-
-def _extents(regions: Sequence[RegionDescriptor]) -> tuple[dict[str, _Extent], list[list[int]]]:
-    """Index the regions one after the other; also the strided rows of their prepared list."""
-    extents: dict[str, _Extent] = {}
-    rows: list[list[int]] = []
-    first = 0
-    for region in regions:
-        stride = region.stride if region.count > 1 else region.piece_bytes
-        extents[region.label] = _Extent(
-            region, first, region.base, region.span, stride, region.piece_bytes, region.dense
-        )
-        rows.append([region.base, region.piece_bytes, 0, stride, region.count])
-        first += region.count
-    return extents, rows
+    slot: int | None = None  # scratch slot of an internal (connect) READ
 
 
 class NixlDataPlane:
@@ -154,13 +121,8 @@ class NixlDataPlane:
 
     Args:
         name: the agent's name; peers address us by it, so it must be unique on the fabric.
-        backend_params: UCX backend parameters (e.g. ``{"ucx_error_handling_mode": "none"}``).
-        progress_thread: NIXL's own progress thread (spins a core per agent; off by default).
-        progress_interval_s: period of our light progress pump when NIXL's thread is off; None
-            turns it off too (then a source only progresses while it reads, see the module doc).
-        connect_timeout_s: how long connect() waits for the first READ (the UCX wire-up).
-        check_transport: measure once per process and backend setting whether UCX uses a
-            zero-copy path; the report is ``transport_report`` and a fallback is logged as a WARNING.
+        backend_params: UCX backend parameters (e.g. ``{"ucx_devices": "lo"}``).
+        progress_wake_s: longest sleep of NIXL's event-driven progress thread; None: no thread.
 
     Raises:
         TransportError: NIXL is missing or the agent or its UCX backend cannot be created.
@@ -171,106 +133,103 @@ class NixlDataPlane:
         name: str,
         *,
         backend_params: Mapping[str, str] | None = None,
-        progress_thread: bool = False,
-        progress_interval_s: float | None = 0.005,
-        connect_timeout_s: float = 2.0,
-        check_transport: bool = True,
+        progress_wake_s: float | None = 0.1,
     ) -> None:
         if not name:
             raise TransportError("a NIXL data plane needs a non-empty name")
+        if progress_wake_s is not None and not 0.001 <= progress_wake_s <= 60:
+            raise TransportError(f"progress_wake_s must be between 0.001 and 60 s, got {progress_wake_s}")
         self._name = name
         self._params = {str(k): str(v) for k, v in (backend_params or {}).items()}
         self._lock = threading.Lock()
         self._closed = False
-        self._local: dict[str, _Extent] = {}
-        self._registrations: dict[str, Any] = {}
+        self._locals: dict[int, _Local] = {}
+        self._extents: dict[int, Extent] = {}
         self._local_dlist: Any = None
+        self._region_ids = itertools.count(1)
         self._description: bytes | None = None
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[int, _Transfer] = {}
         self._retired: list[Any] = []  # prepared lists replaced while transfers may use them
         self._handles = itertools.count(1)
+        self._incarnation = os.urandom(8)
+        self._host = wire.host_identity()
         self.metadata_loads = 0  # add_remote_agent calls, for observability and tests
-        self.transport_report: ZeroCopyReport | None = None
-        self._connect_timeout_s = connect_timeout_s
-        self._agent, self._np, self._peer_errors = self._build_agent(progress_thread)
-        # Landing place of the one-byte warm-up READ that connect() uses to finish UCX's wire-up.
-        self._scratch = ctypes.create_string_buffer(64)
-        self._scratch_address = ctypes.addressof(self._scratch)
+        self._agent, self._np, self._peer_errors = build_agent(name, self._params, progress_wake_s)
+        # The beacon peers read to wire up and to learn how our reads complete; scratch slots are
+        # where our own such reads land (a slot is reused only after its READ has ended).
+        self._beacon = ctypes.create_string_buffer(os.urandom(BEACON_BYTES), BEACON_BYTES)
+        self._beacon_digest = _digest(self._beacon.raw)
+        self._scratch = ctypes.create_string_buffer(BEACON_BYTES * SCRATCH_SLOTS)
+        self._free_slots = list(range(SCRATCH_SLOTS))
         try:
-            self._scratch_registration = self._agent.register_memory([(self._scratch_address, 64, 0, "")], "DRAM")
+            self._beacon_registration = self._register_extent(ctypes.addressof(self._beacon), BEACON_BYTES)
+            self._scratch_registration = self._register_extent(ctypes.addressof(self._scratch), len(self._scratch))
         except Exception as exc:
             raise TransportError(f"{name}: cannot register memory with NIXL: {exc}") from exc
-        if check_transport:
-            self.transport_report = _probe_once(self._params)
-            if self.transport_report.zero_copy:
-                log.info("%s: %s", name, self.transport_report.summary())
-            else:
-                log.warning(
-                    "%s: NIXL peer reads will be 10-100x slower than they should: %s",
-                    name,
-                    self.transport_report.summary(),
-                )
-        self._stop = threading.Event()
-        self._pump: threading.Thread | None = None
-        if not progress_thread and progress_interval_s is not None and progress_interval_s > 0:
-            self._pump = threading.Thread(
-                target=_pump,
-                args=(weakref.ref(self), self._stop, progress_interval_s),
-                name=f"kvcr-nixl-progress-{name}",
-                daemon=True,
-            )
-            self._pump.start()
 
     @property
     def name(self) -> str:
         return self._name
 
+    @property
+    def transport_report(self) -> ZeroCopyReport:
+        """Whether UCX has a zero-copy path here (measured once per process and setting, on first use)."""
+        return transport_report(self._params)
+
+    @property
+    def live_transfers(self) -> int:
+        """Handles not yet released, internal connect READs included (tests check nothing leaks)."""
+        with self._lock:
+            return len(self._transfers)
+
     # ------------------------------------------------------------------ registration
 
-    def register(self, regions: Sequence[RegionDescriptor]) -> None:
+    def register(self, regions: Sequence[RegionDescriptor], *, exposed: bool) -> tuple[int, ...]:
         with self._lock:
             self._check_open()
-            fresh: set[str] = set()
-            for region in regions:
-                if region.label in self._registrations or region.label in fresh:
-                    raise RegistrationError(f"{self._name}: region {region.label!r} is already registered")
-                fresh.add(region.label)
-            added: list[str] = []
+            known = [entry.region for entry in self._locals.values()]
+            for i, region in enumerate(regions):
+                for other in [*known, *regions[:i]]:
+                    if region.overlaps(other):
+                        raise RegistrationError(f"{self._name}: region {region.label!r} overlaps {other.label!r}")
+            added: list[int] = []
             try:
                 for region in regions:
-                    handle = self._agent.register_memory([(region.base, region.span, 0, "")], "DRAM")
-                    self._registrations[region.label] = handle
-                    self._local[region.label] = _Extent(region, 0, 0, 0, 0, 0, False)  # indexed below
-                    added.append(region.label)
-                self._rebuild_local()
+                    registration = self._register_extent(region.base, region.span)
+                    region_id = next(self._region_ids)
+                    self._locals[region_id] = _Local(region, exposed, registration)
+                    added.append(region_id)
+                self._rebuild_local(exposed_changed=exposed)
             except Exception as exc:
-                for label in added:
-                    self._local.pop(label, None)
+                for region_id in added:
+                    entry = self._locals.pop(region_id)
                     with contextlib.suppress(Exception):  # undoing our own half-done registration
-                        self._agent.deregister_memory(self._registrations.pop(label))
+                        self._agent.deregister_memory(entry.registration)
                 with contextlib.suppress(Exception):
-                    self._rebuild_local()
-                raise RegistrationError(f"{self._name}: cannot register {sorted(fresh)}: {exc}") from exc
+                    self._rebuild_local(exposed_changed=exposed)
+                labels = [r.label for r in regions]
+                raise RegistrationError(f"{self._name}: cannot register {labels}: {exc}") from exc
+            return tuple(added)
 
-    def deregister(self, labels: Sequence[str]) -> None:
+    def deregister(self, ids: Sequence[int]) -> None:
         with self._lock:
             if self._closed:
                 return
             failures = []
-            changed = False
-            for label in labels:
-                handle = self._registrations.pop(label, None)
-                self._local.pop(label, None)
-                if handle is None:
+            exposed_changed = changed = False
+            for region_id in ids:
+                entry = self._locals.pop(region_id, None)
+                if entry is None:
                     continue
                 changed = True
+                exposed_changed |= entry.exposed
                 try:
-                    self._agent.deregister_memory(handle)
+                    self._agent.deregister_memory(entry.registration)
                 except Exception as exc:
-                    failures.append(f"{label!r}: {exc}")
+                    failures.append(f"{entry.region.label!r}: {exc}")
             if changed:
-                self._rebuild_local()
+                self._rebuild_local(exposed_changed=exposed_changed)
             if failures:
                 raise RegistrationError(f"{self._name}: deregistration failed for {', '.join(failures)}")
 
@@ -280,102 +239,114 @@ class NixlDataPlane:
         with self._lock:
             self._check_open()
             if self._description is None:
-                regions = [
-                    _RegionWire(e.region.label, e.base, e.region.stride, e.region.count, e.piece)
-                    for e in self._local.values()
-                ]
-                metadata = bytes(self._agent.get_agent_metadata())
-                self._description = msgspec.msgpack.encode(
-                    _Description(DESCRIPTION_VERSION, self._name, metadata, regions)
+                exposed = [(i, e.region) for i, e in self._locals.items() if e.exposed]
+                rows = [(r.base, r.span, 0, "") for _, r in exposed]
+                rows.append((ctypes.addressof(self._beacon), BEACON_BYTES, 0, ""))
+                descs = self._agent.get_reg_descs(rows, "DRAM")
+                metadata = bytes(self._agent.get_partial_agent_metadata(descs, inc_conn_info=True))
+                table = [wire.RegionWire(i, r.base, r.stride, r.count, r.piece_bytes) for i, r in exposed]
+                self._description = wire.encode(
+                    Description(
+                        wire.DESCRIPTION_VERSION,
+                        self._name,
+                        self._incarnation,
+                        self._host,
+                        metadata,
+                        table,
+                        ctypes.addressof(self._beacon),
+                        self._beacon_digest,
+                    )
                 )
             return self._description
 
-    def connect(self, description: bytes) -> str:
-        desc, extents, rows = _decode(description)
+    def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
+        desc, extents, rows = wire.decode(description)
+        deadline = time.monotonic() + max(0.0, timeout_s)
         name = desc.name
         with self._lock:
             self._check_open()
-            current = self._peers.get(name)
-            if current is not None and current.description == description:
-                return name
-            loaded = False
-            if current is not None:
-                del self._peers[name]
-                self._retire(current.dlist)
-                if current.metadata == desc.metadata:
-                    loaded = current.loaded  # same incarnation, new region table: keep the connection
-                else:
-                    try:  # it restarted: its old endpoint is stale
-                        self._unload(current)
-                    except TransportError as exc:
-                        raise PeerUnavailable(str(exc)) from exc
-            fresh = name != self._name and not loaded
-            warm_up = None
+            self._sweep()
+            link = self._peers.get(name)
+            if link is not None and link.incarnation != desc.incarnation:
+                if self._live_from(name):
+                    raise PeerUnavailable(f"{self._name}: {name!r} restarted while reads from it are still live")
+                self._drop(link)
+                link = None
+            if link is not None and link.description == description and link.info is not None:
+                link.closing = False
+                return link.info
             try:
-                if fresh:
+                if name != self._name:
                     self._load(name, desc.metadata)
-                    loaded = True
-                dlist = None
-                if rows:
-                    dlist = self._agent.prep_xfer_dlist(name, self._np.array(rows, dtype=self._np.uint64), "DRAM")
-                if fresh and extents:
-                    warm_up = self._post_warm_up(name, next(iter(extents.values())).base)
+                dlist = self._prep(name, rows) if rows else None
+            except PeerUnavailable:
+                raise
             except Exception as exc:
-                if loaded:
-                    with contextlib.suppress(Exception):  # leave no half-connected peer behind
-                        self._agent.remove_remote_agent(name)
                 raise PeerUnavailable(f"{self._name}: cannot connect to {name!r}: {exc}") from exc
-            link = self._peers[name] = _Peer(name, description, desc.metadata, extents, dlist, loaded)
-        if warm_up is not None:
-            self._await_warm_up(link, warm_up)
-        return name
+            if link is not None:  # same incarnation, new region table: the old list may be in use
+                self._retire(link.dlist)
+                link.description, link.extents, link.dlist, link.closing = description, extents, dlist, False
+                if link.info is not None:
+                    return link.info
+            else:
+                loaded = name != self._name
+                link = self._peers[name] = _Peer(name, description, desc.incarnation, extents, dlist, loaded)
+        warm, _, _ = self._beacon_read(link, desc.beacon)
+        self._settle(warm, deadline)
+        if not self._finish_internal(warm, desc.beacon_digest):
+            self._unreachable(link)
+            raise PeerUnavailable(f"{self._name}: peer {name!r} did not answer within {timeout_s:.2f}s")
+        same_host = bool(self._host) and desc.host == self._host
+        late_writes = not (same_host and self._reads_complete_in_post(link, desc, deadline))
+        info = PeerInfo(name, late_writes)
+        with self._lock:
+            if self._peers.get(name) is link:
+                link.info = info
+        how = "late writes possible" if late_writes else "reads end in the post"
+        log.info("%s: connected to %s (%s)", self._name, name, how)
+        return info
 
     def disconnect(self, peer: str) -> None:
         with self._lock:
-            current = self._peers.pop(peer, None)
-            if current is None:
+            link = self._peers.get(peer)
+            if link is None:
                 return
-            self._retire(current.dlist)
-            self._unload(current)
+            link.closing = True
+            for transfer in self._transfers.values():
+                if transfer.peer == peer and not transfer.state.terminal and not transfer.late_writes:
+                    self._refresh(transfer)
+                    if not transfer.state.terminal:
+                        self._detach(transfer)
+                        transfer.state = TransferState.FAILED  # torn down; nothing of it is left to copy
+            self._finish_closing(link)
 
     # ------------------------------------------------------------------ transfers
 
-    def read(self, peer: str, runs: Sequence[CopyRun]) -> int:
+    def read(self, peer: str, runs: Sequence[PieceRun], *, lease: int = 0) -> int:
+        del lease  # one-sided: the source takes no part in a read
         with self._lock:
             self._check_open()
             link = self._peers.get(peer)
-            if link is None:
+            if link is None or link.closing or link.info is None:
                 raise PeerUnavailable(f"{self._name}: peer {peer!r} is not connected")
             handle = next(self._handles)
             if not runs:
-                self._transfers[handle] = _Transfer(None, peer, TransferState.DONE)
+                self._transfers[handle] = _Transfer(None, peer, False, TransferState.DONE)
                 return handle
+            src_index, dst_index = self._indices(link, runs)
+            agent = self._agent
             xfer = None
             try:
-                plan = self._plan(link, runs)
-                agent = self._agent
-                # Progress first: a peer that went away since the last call is noticed now (UCX
-                # sees its socket close) rather than after a CMA copy from memory it let go of.
-                agent.get_new_notifs()
-                if plan[0]:
-                    xfer = agent.make_prepped_xfer("READ", self._local_dlist, plan[2], link.dlist, plan[1])
-                else:
-                    np = self._np
-                    local = agent.get_xfer_descs(np.array(plan[2], dtype=np.uint64), "DRAM")
-                    remote = agent.get_xfer_descs(np.array(plan[1], dtype=np.uint64), "DRAM")
-                    xfer = agent.initialize_xfer("READ", local, remote, peer)
+                xfer = agent.make_prepped_xfer("READ", self._local_dlist, dst_index, link.dlist, src_index)
                 status = agent.transfer(xfer)
-            except TransportError:
-                raise
             except Exception as exc:
-                # NIXL refuses a post to a disconnected agent before posting anything. A UCX error
-                # part-way through a post would leave the earlier pieces detached in 1.5.1 (its
-                # backend releases them as in cancel), which no handle can report any more.
+                # NIXL refuses a post to a failed endpoint before anything moves (the peer died).
                 if xfer is not None:
                     with contextlib.suppress(Exception):  # never posted, or its post failed
                         xfer.release()
                 raise self._translate(exc, f"read from {peer!r}") from exc
-            self._transfers[handle] = _Transfer(xfer, peer, _STATES.get(status, TransferState.FAILED))
+            state = _STATES.get(status, TransferState.FAILED)
+            self._transfers[handle] = _Transfer(xfer, peer, link.info.late_writes, state)
             return handle
 
     def poll(self, handle: int) -> TransferState:
@@ -390,8 +361,12 @@ class NixlDataPlane:
             self._refresh(transfer)
             if transfer.state.terminal:
                 return transfer.state
-            # NIXL 1.5.1 cannot stop an in-flight READ (module docstring): keep watching it.
-            transfer.state = TransferState.UNCERTAIN
+            if not transfer.late_writes:
+                # Its bytes were copied inside the post; what is left is an endpoint flush.
+                self._detach(transfer)
+                transfer.state = TransferState.CANCELLED
+            else:
+                transfer.state = TransferState.UNCERTAIN  # NIXL 1.5.1 cannot stop it: keep watching
             return transfer.state
 
     def release(self, handle: int) -> None:
@@ -401,198 +376,270 @@ class NixlDataPlane:
                 raise KvcrError(f"transfer {handle} is {transfer.state.value}; releasing it could reuse live memory")
             del self._transfers[handle]
             try:
-                if transfer.xfer is not None:
-                    transfer.xfer.release()
-            except Exception as exc:
-                raise TransportError(f"{self._name}: NIXL refused to release transfer {handle}: {exc}") from exc
+                self._detach(transfer)
             finally:
-                self._reap()
+                self._after_end(transfer)
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
+            self._sweep()
             for transfer in self._transfers.values():
                 self._refresh(transfer)
-            live = [h for h, t in self._transfers.items() if not t.state.terminal]
+            live = [h for h, t in self._transfers.items() if not t.state.terminal and t.slot is None]
             if live:
                 raise KvcrError(f"{self._name}: {len(live)} transfers are not terminal; cannot close")
             self._closed = True
-        self._stop.set()
-        if self._pump is not None and self._pump is not threading.current_thread():
-            self._pump.join(timeout=1.0)
-        failures: list[str] = []
-        with self._lock:
+            failures: list[str] = []
             for transfer in self._transfers.values():
-                _attempt(failures, "release a transfer", transfer.xfer.release if transfer.xfer else None)
+                # Only our own connect READs into scratch memory can be left: destroying the agent
+                # below stops them (a tcp source frozen meanwhile may abort when it resumes: UCX).
+                _attempt(failures, "release a transfer", self._detach, transfer)
             self._transfers.clear()
-            for peer in self._peers.values():
-                self._retire(peer.dlist)
-                if peer.loaded:
-                    _attempt(failures, f"remove {peer.name!r}", self._agent.remove_remote_agent, peer.name)
+            for link in self._peers.values():
+                self._retire(link.dlist)
+                if link.loaded:
+                    _attempt(failures, f"remove {link.name!r}", self._agent.remove_remote_agent, link.name)
             self._peers.clear()
             self._retire(self._local_dlist)
             self._local_dlist = None
             self._reap()
-            for label, registration in self._registrations.items():
-                _attempt(failures, f"deregister {label!r}", self._agent.deregister_memory, registration)
-            self._registrations.clear()
-            self._local.clear()
-            scratch = self._scratch_registration
-            _attempt(failures, "deregister the scratch buffer", self._agent.deregister_memory, scratch)
-            self._agent = None  # the last reference: NIXL destroys the agent and its UCX worker
+            registrations = [e.registration for e in self._locals.values()]
+            registrations += [self._beacon_registration, self._scratch_registration]
+            for registration in registrations:
+                _attempt(failures, "deregister memory", self._agent.deregister_memory, registration)
+            self._locals.clear()
+            self._extents.clear()
+            self._agent = None  # the last reference: NIXL stops its thread, destroys the agent and UCX worker
         if failures:
             raise TransportError(f"{self._name}: close left work undone: {'; '.join(failures)}")
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ the read path
 
-    def _post_warm_up(self, peer: str, address: int) -> int:
-        """Start a one-byte READ from ``peer`` into our scratch buffer (see ``_await_warm_up``)."""
-        agent, np = self._agent, self._np
-        local = agent.get_xfer_descs(np.array([[self._scratch_address, 1, 0]], dtype=np.uint64), "DRAM")
-        remote = agent.get_xfer_descs(np.array([[address, 1, 0]], dtype=np.uint64), "DRAM")
-        xfer = agent.initialize_xfer("READ", local, remote, peer)
-        try:
-            status = agent.transfer(xfer)
-        except Exception:
-            with contextlib.suppress(Exception):  # its post failed: nothing is in flight
-                xfer.release()
-            raise
-        handle = next(self._handles)
-        self._transfers[handle] = _Transfer(xfer, peer, _STATES.get(status, TransferState.FAILED))
-        return handle
+    def _indices(self, link: _Peer, runs: Sequence[PieceRun]) -> tuple[list[int], list[int]]:
+        """Piece indices on both sides, after every check (TransportError: nothing is posted).
 
-    def _await_warm_up(self, link: _Peer, handle: int) -> None:
-        """Finish the UCX wire-up now (it needs the peer to progress), so the first real read is fast.
-
-        It also proves the peer reachable. If it does not finish in time the READ stays live, so
-        its handle stays here as UNCERTAIN (close() refuses until it ends) and the peer is dropped.
+        The hot path of a read: region lookups only when a run's region differs from the last.
         """
-        deadline = time.monotonic() + self._connect_timeout_s
-        spins = 0
-        state = self.poll(handle)
-        while not state.terminal and time.monotonic() < deadline:
-            spins += 1
-            if spins > 64:
-                time.sleep(200e-6)  # let the peer's pump (or process) progress its worker
-            state = self.poll(handle)
-        if state.terminal:
-            self.release(handle)
-            if state is TransferState.DONE:
-                return
-            why = f"its first READ {state.value}"
-        else:
-            self.cancel(handle)
-            why = f"its first READ did not finish within {self._connect_timeout_s:.1f}s"
-        with self._lock:
-            if self._peers.get(link.name) is link:  # unless a newer connect() replaced it meanwhile
-                del self._peers[link.name]
-                self._retire(link.dlist)
-                if state.terminal:
-                    with contextlib.suppress(TransportError):  # it is unusable either way
-                        self._unload(link)
-        raise PeerUnavailable(f"{self._name}: peer {link.name!r} is unreachable: {why}")
-
-    def _plan(self, link: _Peer, runs: Sequence[CopyRun]) -> tuple[bool, Any, Any]:
-        """(prepared?, source side, destination side): piece indices, or raw (addr, len, 0) rows.
-
-        The hot path of a read: one pass over the runs, region lookups only when a label changes.
-        """
-        remote, local = link.extents, self._local
+        remote, local = link.extents, self._extents
         src_index: list[int] = []
         dst_index: list[int] = []
         add_src, add_dst = src_index.append, dst_index.append
-        s_label = d_label = None
-        s_first = s_span = s_stride = s_piece = d_first = d_span = d_stride = d_piece = 0
-        s_dense = d_dense = False
+        src_id = dst_id = -1
+        s_first = s_count = d_first = d_count = 0
         for run in runs:
-            if run.src_label != s_label:
-                src = remote.get(run.src_label)
+            if run.src != src_id or run.dst != dst_id:
+                src, dst = remote.get(run.src), local.get(run.dst)
                 if src is None:
-                    raise TransportError(f"run {run}: peer {link.name!r} has no registered region {run.src_label!r}")
-                s_label = run.src_label
-                s_first, s_span, s_stride, s_piece, s_dense = src.first, src.span, src.stride, src.piece, src.dense
-            if run.dst_label != d_label:
-                dst = local.get(run.dst_label)
+                    raise TransportError(f"run {run}: peer {link.name!r} exposes no region {run.src}")
                 if dst is None:
-                    raise TransportError(f"run {run}: {self._name} has no registered region {run.dst_label!r}")
-                d_label = run.dst_label
-                d_first, d_span, d_stride, d_piece, d_dense = dst.first, dst.span, dst.stride, dst.piece, dst.dense
-            src_off, dst_off, nbytes = run.src_offset, run.dst_offset, run.nbytes
-            if nbytes <= 0 or src_off < 0 or dst_off < 0 or src_off + nbytes > s_span or dst_off + nbytes > d_span:
+                    raise TransportError(f"run {run}: {self._name} has no registered region {run.dst}")
+                if src[2] != dst[2]:
+                    raise TransportError(f"run {run}: piece sizes differ ({src[2]} vs {dst[2]})")
+                src_id, dst_id = run.src, run.dst
+                s_first, s_count, _ = src
+                d_first, d_count, _ = dst
+            count, src_first, dst_first = run.count, run.src_first, run.dst_first
+            if count <= 0 or src_first < 0 or dst_first < 0 or src_first + count > s_count:
                 raise TransportError(f"run {run} is out of the registered bounds")
-            if src_off % s_stride or dst_off % d_stride or s_piece != d_piece:
-                return self._raw_plan(link, runs)
-            if nbytes == s_piece:
-                add_src(s_first + src_off // s_stride)
-                add_dst(d_first + dst_off // d_stride)
-            elif nbytes % s_piece == 0 and s_dense and d_dense:
-                # A coalesced run: consecutive indices, which NIXL merges back into one copy.
-                first, count = s_first + src_off // s_stride, nbytes // s_piece
-                src_index.extend(range(first, first + count))
-                first = d_first + dst_off // d_stride
-                dst_index.extend(range(first, first + count))
+            if dst_first + count > d_count:
+                raise TransportError(f"run {run} is out of the registered bounds")
+            if count == 1:
+                add_src(s_first + src_first)
+                add_dst(d_first + dst_first)
             else:
-                return self._raw_plan(link, runs)
-        return True, src_index, dst_index
-
-    def _raw_plan(self, link: _Peer, runs: Sequence[CopyRun]) -> tuple[bool, Any, Any]:
-        """Raw (address, length, 0) rows for reads that do not fall on piece boundaries."""
-        src_rows: list[list[int]] = []
-        dst_rows: list[list[int]] = []
-        for run in runs:
-            src, dst = link.extents.get(run.src_label), self._local.get(run.dst_label)
-            if src is None:
-                raise TransportError(f"run {run}: peer {link.name!r} has no registered region {run.src_label!r}")
-            if dst is None:
-                raise TransportError(f"run {run}: {self._name} has no registered region {run.dst_label!r}")
-            src_off, dst_off, nbytes = run.src_offset, run.dst_offset, run.nbytes
-            if nbytes <= 0 or src_off < 0 or dst_off < 0 or src_off + nbytes > src.span or dst_off + nbytes > dst.span:
-                raise TransportError(f"run {run} is out of the registered bounds")
-            src_rows.append([src.base + src_off, nbytes, 0])
-            dst_rows.append([dst.base + dst_off, nbytes, 0])
-        return False, src_rows, dst_rows
+                src_index.extend(range(s_first + src_first, s_first + src_first + count))
+                dst_index.extend(range(d_first + dst_first, d_first + dst_first + count))
+        return src_index, dst_index
 
     def _refresh(self, transfer: _Transfer) -> None:
-        if transfer.state is not TransferState.PENDING and transfer.state is not TransferState.UNCERTAIN:
+        if transfer.xfer is None or transfer.state.terminal:
             return
         try:
             status = self._agent.check_xfer_state(transfer.xfer)
-        except Exception as exc:
+        except Exception as exc:  # NIXL raises (rather than answering ERR) on a failed endpoint
             log.info("%s: transfer from %s failed: %s", self._name, transfer.peer, exc)
             status = "ERR"
         state = _STATES.get(status, TransferState.FAILED)
         if state is not TransferState.PENDING:
             transfer.state = state
+            self._after_end(transfer)
 
-    def _rebuild_local(self) -> None:
-        extents, rows = _extents([e.region for e in self._local.values()])
-        dlist = None
-        if rows:
-            dlist = self._agent.prep_xfer_dlist(_INIT_AGENT, self._np.array(rows, dtype=self._np.uint64), "DRAM")
+    def _detach(self, transfer: _Transfer) -> None:
+        """Release the NIXL handle (on a live one this only stops us from watching it)."""
+        xfer, transfer.xfer = transfer.xfer, None
+        if xfer is not None:
+            try:
+                xfer.release()
+            except Exception as exc:
+                raise TransportError(f"{self._name}: NIXL refused to release a transfer: {exc}") from exc
+
+    def _after_end(self, transfer: _Transfer) -> None:
+        """A transfer ended (or was released): free what waited on it."""
+        self._reap()
+        link = self._peers.get(transfer.peer)
+        if link is not None and link.closing:
+            self._finish_closing(link)
+
+    # ------------------------------------------------------------------ connect helpers
+
+    def _beacon_read(self, link: _Peer, beacon: int) -> tuple[int, bytes, float]:
+        """Post a READ of the peer's beacon into a free scratch slot.
+
+        Returns its internal handle, a copy of the slot taken right after the post returned, and
+        how long after the post that copy was finished.
+        """
+        with self._lock:
+            self._check_open()
+            if not self._free_slots:
+                raise PeerUnavailable(f"{self._name}: {SCRATCH_SLOTS} connects are still waiting for their peers")
+            slot = self._free_slots.pop()
+            address = ctypes.addressof(self._scratch) + slot * BEACON_BYTES
+            ctypes.memset(address, 0, BEACON_BYTES)
+            agent, np = self._agent, self._np
+            xfer = None
+            try:
+                local = agent.get_xfer_descs(np.array([[address, BEACON_BYTES, 0]], dtype=np.uint64), "DRAM")
+                remote = agent.get_xfer_descs(np.array([[beacon, BEACON_BYTES, 0]], dtype=np.uint64), "DRAM")
+                xfer = agent.initialize_xfer("READ", local, remote, link.name)
+                status = agent.transfer(xfer)
+                posted = time.perf_counter()
+                seen = ctypes.string_at(address, BEACON_BYTES)
+                after = time.perf_counter() - posted
+            except Exception as exc:
+                self._free_slots.append(slot)
+                if xfer is not None:
+                    with contextlib.suppress(Exception):  # its post failed: nothing is in flight
+                        xfer.release()
+                raise self._translate(exc, f"first read from {link.name!r}") from exc
+            handle = next(self._handles)
+            state = _STATES.get(status, TransferState.FAILED)
+            self._transfers[handle] = _Transfer(xfer, link.name, True, state, slot)
+            return handle, seen, after
+
+    def _settle(self, handle: int, deadline: float) -> TransferState:
+        """Poll an internal READ until it ends or ``deadline`` (a burst of polls, then short sleeps)."""
+        spins = 0
+        while True:
+            with self._lock:
+                transfer = self._transfers[handle]
+                self._refresh(transfer)
+                state = transfer.state
+            if state.terminal or time.monotonic() >= deadline:
+                return state
+            spins += 1
+            if spins > 64:
+                time.sleep(200e-6)
+
+    def _finish_internal(self, handle: int, digest: bytes) -> bool:
+        """End an internal READ: if it is over, free its slot and say whether the slot holds ``digest``.
+
+        One that is still live keeps its handle and slot (swept once it ends) and answers False.
+        """
+        with self._lock:
+            transfer = self._transfers[handle]
+            if not transfer.state.terminal:
+                return False
+            del self._transfers[handle]
+            assert transfer.slot is not None
+            address = ctypes.addressof(self._scratch) + transfer.slot * BEACON_BYTES
+            held = transfer.state is TransferState.DONE and _digest(ctypes.string_at(address, BEACON_BYTES)) == digest
+            self._free_slots.append(transfer.slot)
+            with contextlib.suppress(TransportError):  # an ended READ: releasing it frees NIXL's request
+                self._detach(transfer)
+            self._after_end(transfer)
+            return held
+
+    def _sweep(self) -> None:
+        """Free the slots of internal READs that have ended since they were given up."""
+        for handle, transfer in list(self._transfers.items()):
+            if transfer.slot is not None:
+                self._refresh(transfer)
+                if transfer.state.terminal:
+                    del self._transfers[handle]
+                    self._free_slots.append(transfer.slot)
+                    with contextlib.suppress(TransportError):
+                        self._detach(transfer)
+                    self._after_end(transfer)
+
+    def _unreachable(self, link: _Peer) -> None:
+        """A peer whose first READ did not come back: no reads from it; forget it once that READ ends."""
+        with self._lock:
+            if self._peers.get(link.name) is link and link.info is None:
+                link.closing = True
+                self._finish_closing(link)
+
+    def _reads_complete_in_post(self, link: _Peer, desc: Description, deadline: float) -> bool:
+        """Whether READs from this peer land their bytes before ``transfer()`` returns (CMA).
+
+        The slot is looked at right after the post; a look finished later than ``SYNC_WINDOW_S``
+        proves nothing and is repeated. Two complete looks, and no incomplete one, are needed.
+        """
+        complete = 0
+        for _ in range(6):
+            handle, seen, after = self._beacon_read(link, desc.beacon)
+            state = self._settle(handle, deadline)
+            if not self._finish_internal(handle, desc.beacon_digest) or state is not TransferState.DONE:
+                return False
+            if after > SYNC_WINDOW_S:
+                continue
+            if _digest(seen) != desc.beacon_digest:
+                return False
+            complete += 1
+            if complete == 2:
+                return True
+        return False
+
+    # ------------------------------------------------------------------ NIXL plumbing
+
+    def _register_extent(self, base: int, nbytes: int) -> Any:
+        return self._agent.register_memory([(base, nbytes, 0, "")], "DRAM")
+
+    def _rebuild_local(self, *, exposed_changed: bool) -> None:
+        extents: dict[int, Extent] = {}
+        rows: list[list[int]] = []
+        first = 0
+        for region_id, entry in self._locals.items():
+            region = entry.region
+            extents[region_id] = (first, region.count, region.piece_bytes)
+            rows.append(wire.row(region))
+            first += region.count
+        dlist = self._prep(_INIT_AGENT, rows) if rows else None
         self._retire(self._local_dlist)
-        self._local, self._local_dlist, self._description = extents, dlist, None
+        self._extents, self._local_dlist = extents, dlist
+        if exposed_changed:
+            self._description = None
+
+    def _prep(self, agent_name: str, rows: list[list[int]]) -> Any:
+        return self._agent.prep_xfer_dlist(agent_name, self._np.array(rows, dtype=self._np.uint64), "DRAM")
 
     def _load(self, name: str, metadata: bytes) -> None:
-        try:
-            loaded = self._agent.add_remote_agent(metadata)
-        except Exception:
-            # NIXL refuses new metadata for a name it still holds (left by a failed connect).
-            self._agent.remove_remote_agent(name)
-            loaded = self._agent.add_remote_agent(metadata)
+        loaded = self._agent.add_remote_agent(metadata)
         self.metadata_loads += 1
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded != name:
-            self._agent.remove_remote_agent(loaded)
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(loaded)
             raise PeerUnavailable(f"description names {name!r} but its metadata is agent {loaded!r}")
 
-    def _unload(self, peer: _Peer) -> None:
-        if not peer.loaded:
+    def _live_from(self, peer: str) -> bool:
+        return any(t.peer == peer and not t.state.terminal for t in self._transfers.values())
+
+    def _finish_closing(self, link: _Peer) -> None:
+        """Forget a disconnected peer once none of its reads can still write."""
+        if self._peers.get(link.name) is not link or self._live_from(link.name):
             return
-        try:
-            self._agent.remove_remote_agent(peer.name)
-        except Exception as exc:
-            raise TransportError(f"{self._name}: cannot remove peer {peer.name!r}: {exc}") from exc
+        self._drop(link)
+
+    def _drop(self, link: _Peer) -> None:
+        del self._peers[link.name]
+        self._retire(link.dlist)
+        if link.loaded:
+            try:
+                self._agent.remove_remote_agent(link.name)
+            except Exception as exc:
+                log.info("%s: removing peer %s: %s", self._name, link.name, exc)
 
     def _retire(self, dlist: Any) -> None:
         if dlist is not None:
@@ -601,7 +648,7 @@ class NixlDataPlane:
 
     def _reap(self) -> None:
         """Release replaced prepared lists once no transfer handle is left that was made from them."""
-        if self._transfers or not self._retired:
+        if not self._retired or any(t.xfer is not None for t in self._transfers.values()):
             return
         retired, self._retired = self._retired, []
         for dlist in retired:
@@ -610,7 +657,7 @@ class NixlDataPlane:
 
     def _transfer(self, handle: int) -> _Transfer:
         transfer = self._transfers.get(handle)
-        if transfer is None:
+        if transfer is None or transfer.slot is not None:
             raise TransportError(f"unknown transfer handle {handle}")
         return transfer
 
@@ -623,100 +670,16 @@ class NixlDataPlane:
         if self._closed:
             raise TransportError(f"data plane {self._name!r} is closed")
 
-    def _progress(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            try:
-                self._agent.get_new_notifs()  # progresses the UCX worker (wire-up, keep-alive)
-            except Exception as exc:
-                log.debug("%s: progress failed: %s", self._name, exc)
 
-    def _build_agent(self, progress_thread: bool) -> tuple[Any, Any, tuple[type[Exception], ...]]:
-        try:
-            import numpy
-            from nixl import _bindings
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise TransportError(f"NIXL is not installed (pip install nixl-cu13==1.5.1 --no-deps): {exc}") from exc
-        _quiet_nixl_logging()
-        try:
-            config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[])
-            agent = nixl_agent(self._name, config)
-            if "UCX" not in agent.get_plugin_list():
-                raise TransportError("NIXL has no UCX plugin")
-            agent.create_backend("UCX", self._params)
-        except TransportError:
-            raise
-        except Exception as exc:
-            raise TransportError(f"cannot create NIXL agent {self._name!r} with UCX {self._params}: {exc}") from exc
-        peer_errors = (_bindings.nixlRemoteDisconnectError, _bindings.nixlNotFoundError)
-        return agent, numpy, peer_errors
-
-
-def _decode(description: bytes) -> tuple[_Description, dict[str, _Extent], list[list[int]]]:
-    try:
-        desc = msgspec.msgpack.decode(description, type=_Description)
-    except (msgspec.MsgspecError, TypeError) as exc:
-        raise PeerUnavailable(f"unreadable peer description: {exc}") from exc
-    if desc.version != DESCRIPTION_VERSION:
-        raise PeerUnavailable(f"peer description version {desc.version}, expected {DESCRIPTION_VERSION}")
-    if not desc.name:
-        raise PeerUnavailable("peer description has no name")
-    try:
-        regions = [RegionDescriptor(w.label, w.base, w.stride, w.count, w.piece_bytes) for w in desc.regions]
-    except KvcrError as exc:
-        raise PeerUnavailable(f"peer {desc.name!r} describes an unusable region: {exc}") from exc
-    if len({r.label for r in regions}) != len(regions):
-        raise PeerUnavailable(f"peer {desc.name!r} describes a region label twice")
-    extents, rows = _extents(regions)
-    return desc, extents, rows
-
-
-def _pump(plane_ref: weakref.ref[NixlDataPlane], stop: threading.Event, interval_s: float) -> None:
-    """Progress the agent now and then; ends with close() or when the data plane is collected."""
-    while not stop.wait(interval_s):
-        plane = plane_ref()
-        if plane is None:
-            return
-        plane._progress()
-        del plane
-
-
-def _quiet_nixl_logging() -> None:
-    """NIXL's wrapper logs INFO lines to *stdout* on every agent; keep warnings, unless told otherwise.
-
-    A process whose stdout carries a protocol (a READY line, JSON) breaks on them. NIXL_LOG_LEVEL,
-    NIXL's own switch, still wins when set.
-    """
-    if os.environ.get("NIXL_LOG_LEVEL"):
-        return
-    nixl_logger = logging.getLogger("nixl")
-    if nixl_logger.getEffectiveLevel() < logging.WARNING:
-        nixl_logger.setLevel(logging.WARNING)
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _attempt(failures: list[str], what: str, call: Any, *args: Any) -> None:
-    if call is None:
-        return
     try:
         call(*args)
     except Exception as exc:
         failures.append(f"{what}: {exc}")
-
-
-_probe_lock = threading.Lock()
-_probe_reports: dict[tuple[object, ...], ZeroCopyReport] = {}
-
-
-def _probe_once(params: dict[str, str]) -> ZeroCopyReport:
-    """One probe per process and transport setting: UCX's choice does not change in between."""
-    key = (tuple(sorted(params.items())), os.environ.get("UCX_TLS"), os.environ.get("UCX_NET_DEVICES"))
-    with _probe_lock:
-        report = _probe_reports.get(key)
-        if report is None:
-            report = _probe_reports[key] = check_zero_copy(backend_params=params)
-        return report
 
 
 if TYPE_CHECKING:

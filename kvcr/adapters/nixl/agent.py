@@ -1,0 +1,97 @@
+"""Building a NIXL agent for a data plane: UCX backend, event-driven progress, quiet logging.
+
+NIXL's progress thread sleeps in ``poll()`` on the UCX worker's event fd when its ``pthrDelay``
+is positive and wakes on traffic (or after the delay); the Python wrapper hard-codes
+``pthrDelay=0``, which makes the thread spin a core. So the agent is built with the binding's own
+config, swapped in for this agent's name only (docs/nixl-behaviour.md, section 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+from kvcr.ports.errors import TransportError
+
+if TYPE_CHECKING:
+    from kvcr.adapters.nixl.probe import ZeroCopyReport
+
+_build_lock = threading.Lock()
+
+
+def build_agent(
+    name: str, params: dict[str, str], wake_s: float | None
+) -> tuple[Any, Any, tuple[type[Exception], ...]]:
+    """(agent, numpy, the NIXL errors that mean "the peer is gone"); no progress thread if ``wake_s`` is None.
+
+    Raises:
+        TransportError: NIXL is missing, or the agent or its UCX backend cannot be created.
+    """
+    try:
+        import numpy
+        from nixl import _bindings
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:
+        raise TransportError(f"NIXL is not installed (pip install nixl-cu13==1.5.1 --no-deps): {exc}") from exc
+    _quiet_nixl_logging()
+    try:
+        config = nixl_agent_config(enable_prog_thread=wake_s is not None, enable_listen_thread=False, backends=[])
+        if wake_s is None:
+            agent = nixl_agent(name, config)
+        else:
+            raw = _bindings.nixlAgentConfig()
+            raw.useProgThread = True
+            raw.useListenThread = False
+            raw.pthrDelay = round(wake_s * 1e6)
+            with _build_lock:
+                original = _bindings.nixlAgent
+
+                def build(agent_name: str, agent_config: Any) -> Any:
+                    # Only our agent gets our config: one built meanwhile by others keeps its own.
+                    return original(agent_name, raw if agent_name == name else agent_config)
+
+                _bindings.nixlAgent = build
+                try:
+                    agent = nixl_agent(name, config)
+                finally:
+                    _bindings.nixlAgent = original
+        if "UCX" not in agent.get_plugin_list():
+            raise TransportError("NIXL has no UCX plugin")
+        agent.create_backend("UCX", params)
+    except TransportError:
+        raise
+    except Exception as exc:
+        raise TransportError(f"cannot create NIXL agent {name!r} with UCX {params}: {exc}") from exc
+    peer_errors = (_bindings.nixlRemoteDisconnectError, _bindings.nixlNotFoundError)
+    return agent, numpy, peer_errors
+
+
+def _quiet_nixl_logging() -> None:
+    """NIXL's wrapper logs INFO lines to *stdout* on every agent; keep warnings, unless told otherwise.
+
+    A process whose stdout carries a protocol (a READY line, JSON) breaks on them. NIXL_LOG_LEVEL,
+    NIXL's own switch, still wins when set.
+    """
+    if os.environ.get("NIXL_LOG_LEVEL"):
+        return
+    nixl_logger = logging.getLogger("nixl")
+    if nixl_logger.getEffectiveLevel() < logging.WARNING:
+        nixl_logger.setLevel(logging.WARNING)
+
+
+_probe_lock = threading.Lock()
+_probe_reports: dict[tuple[object, ...], ZeroCopyReport] = {}
+
+
+def transport_report(params: dict[str, str]) -> ZeroCopyReport:
+    """One zero-copy probe per process and transport setting: UCX's choice does not change in between."""
+    from kvcr.adapters.nixl.probe import check_zero_copy
+
+    key = (tuple(sorted(params.items())), os.environ.get("UCX_TLS"), os.environ.get("UCX_NET_DEVICES"))
+    with _probe_lock:
+        report = _probe_reports.get(key)
+        if report is None:
+            report = _probe_reports[key] = check_zero_copy(backend_params=params)
+        return report
