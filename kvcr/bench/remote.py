@@ -101,8 +101,8 @@ def source_replica(page_bytes: int, port: int) -> contextlib.AbstractContextMana
     )
 
 
-def data_plane_description(endpoint: str, namespaces: dict[str, str], port: int) -> bytes:
-    """Ask a source for its data-plane description with a plain HELLO (for the raw baseline)."""
+def data_plane_description(endpoint: str, namespaces: dict[str, str], port: int) -> tuple[bytes, list[int]]:
+    """Ask a source for its data-plane description and its KV pool's region ids (for the raw baseline)."""
     import secrets
 
     from kvcr.adapters.zmq import ZmqControlChannel
@@ -117,7 +117,10 @@ def data_plane_description(endpoint: str, namespaces: dict[str, str], port: int)
         probe.close()
     if not isinstance(reply, HelloReply):
         raise RuntimeError("no HELLO reply from the source")
-    return reply.data_plane
+    kv = [p for p in reply.pools if p.name == "kv"]
+    if not kv:
+        raise RuntimeError("the source serves no kv pool")
+    return reply.data_plane, list(kv[0].regions)
 
 
 class RawReader:
@@ -127,22 +130,25 @@ class RawReader:
         self,
         name: str,
         description: bytes,
+        region_ids: list[int],
         regions: Sequence[RegionDescriptor],
         span: tuple[int, int],
         pool_pieces: list[int],
     ) -> None:
-        import msgspec
         import numpy as np
         from nixl._api import nixl_agent, nixl_agent_config
 
+        from kvcr.adapters.nixl import wire
+
         self._np = np
-        decoded = msgspec.msgpack.decode(description)
+        decoded, _, _ = wire.decode(description)
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
         self.agent.create_backend("UCX", {})
         self.registration = self.agent.register_memory([(span[0], span[1], 0, "")], "DRAM")
-        peer = self.agent.add_remote_agent(decoded["metadata"])
+        peer = self.agent.add_remote_agent(decoded.metadata)
         self.peer = peer.decode() if isinstance(peer, bytes) else str(peer)
-        remote_rows = [[r[1], r[4], 0, r[2], r[3]] for r in decoded["regions"] if r[0].startswith("kvcr/kv/")]
+        by_id = {r.id: r for r in decoded.regions}
+        remote_rows = [[by_id[i].base, by_id[i].piece_bytes, 0, by_id[i].stride, by_id[i].count] for i in region_ids]
         local_rows = [[r.base, r.piece_bytes, 0, r.stride, r.count] for r in regions]
         if [row[1] for row in remote_rows] != pool_pieces:
             raise RuntimeError("source geometry does not match the bench pool")
@@ -195,10 +201,11 @@ def run_remote(page_bytes: int, batches: list[int], reps: int, port: int | None 
             lease = node.client.lease(endpoint, [("kv", keys)])
             if lease is None or len(lease.slots) != len(keys) or lease.link is None:
                 raise RuntimeError("could not lease the source's pages")
-            description = data_plane_description(endpoint, dict(node.runner.namespaces), port + 2)
+            description, region_ids = data_plane_description(endpoint, dict(node.runner.namespaces), port + 2)
             raw = RawReader(
                 f"bench-raw-{os.getpid()}-{port}",
                 description,
+                region_ids,
                 host.regions,
                 (host.allocation.address, host.allocation.nbytes),
                 [c.piece_bytes for c in pool.components],

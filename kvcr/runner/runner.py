@@ -473,7 +473,7 @@ class KvcrRunner:
             for _, entry in claimed:
                 entry.claims += 1
             if hits:
-                state.policy.touch(self._aligned(state, hits))
+                state.policy.touch(self._aligned(state, list(hits)))
             self._inflight += 1
         copied = False
         corrupt: list[int] = []

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     token = Path(args.token_file).read_bytes().strip() if args.token_file else None
     timing = Timing(lease_s=args.lease_ms / 1000, lease_margin_s=min(0.5, args.lease_ms / 4000))
-    node = build_node(args.name, args.port, args.page_bytes, args.pages, token=token, timing=timing)
+    # Twice the pages it holds: a peer may lease at most half of a pool (the owner keeps room to back up).
+    node = build_node(args.name, args.port, args.page_bytes, 2 * args.pages, token=token, timing=timing)
     pool = bench_pool(args.page_bytes)
     host = HostPool.allocate(MmapHostMemory(), pool, args.pages)
     node.register_host_pool("kv", host.regions)

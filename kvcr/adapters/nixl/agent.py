@@ -29,6 +29,9 @@ def build_agent(
     Raises:
         TransportError: NIXL is missing, or the agent or its UCX backend cannot be created.
     """
+    from kvcr import compat
+
+    compat.ensure_supported("nixl")  # an unsupported NIXL is one clear line at start-up, not a deep failure
     try:
         import numpy
         from nixl import _bindings
