@@ -38,7 +38,7 @@ from kvcr.domain.errors import KvcrError
 SGLANG_VERSION = "0.5.23"
 NIXL_VERSION = "1.5.1"
 TOKEN_MIN_BYTES = 16
-CHECKS = ("nixl", "transport", "config", "sglang", "page-keys", "ports", "token")
+CHECKS = ("versions", "nixl", "transport", "config", "sglang", "page-keys", "ports", "token")
 
 
 class Status(str, enum.Enum):

@@ -209,13 +209,18 @@ def run_sglang_remote(layers: int, pages: int, reps: int) -> SglangRemoteResult:
         regions = store.runner.pool_host_regions("kv")
         raw = None
         try:
-            lease = store.node.client.lease(info["endpoint"], [("kv", k) for k in keys])
+            lease = store.node.client.lease(info["endpoint"], [("kv", keys)])
             if lease is None or len(lease.slots) != pages:
                 raise RuntimeError("could not lease replica A's pages")
-            description = data_plane_description(info["endpoint"], store.runner.namespace, port + 2)
+            description, region_ids = data_plane_description(info["endpoint"], dict(store.runner.namespaces), port + 2)
             span = (host.kv_buffer.data_ptr(), host.kv_buffer.numel() * host.kv_buffer.element_size())
             raw = RawReader(
-                f"bench-sglang-raw-{os.getpid()}", description, regions, span, [r.piece_bytes for r in regions]
+                f"bench-sglang-raw-{os.getpid()}",
+                description,
+                region_ids,
+                regions,
+                span,
+                [r.piece_bytes for r in regions],
             )
             raw.target([lease.slots[("kv", k)] for k in keys], list(range(pages)))
             store.node.client.release(lease)

@@ -24,6 +24,7 @@ import numpy as np
 
 from kvcr.adapters.nixl import NixlDataPlane
 from kvcr.domain.layout import RegionDescriptor
+from kvcr.testing.processes import stop_process
 
 LOOPBACK = {"ucx_devices": "lo"}
 REPO = Path(__file__).resolve().parents[2]
@@ -95,13 +96,7 @@ class FrozenSource:
     def close(self):
         with contextlib.suppress(ProcessLookupError):
             self.resume()
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
+        stop_process(self.proc, grace_s=20)
 
 
 def _stopped(pid):

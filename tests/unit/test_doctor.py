@@ -109,7 +109,7 @@ def test_the_cli_prints_one_line_per_check_and_returns_the_exit_code(capsys, tmp
     )
     lines = capsys.readouterr().out.splitlines()
     assert rc == 0 and len(lines) == len(CHECKS) + 1
-    assert lines[-1].startswith("doctor: 2 ok, 0 warning(s), 0 failure(s), 5 skipped")
+    assert lines[-1].startswith("doctor: 3 ok, 0 warning(s), 0 failure(s), 5 skipped")
 
 
 def test_an_unknown_check_to_skip_is_named(capsys):

@@ -167,6 +167,10 @@ class NixlDataPlane:
             self._scratch_registration = self._register_extent(ctypes.addressof(self._scratch), len(self._scratch))
         except Exception as exc:
             raise TransportError(f"{name}: cannot register memory with NIXL: {exc}") from exc
+        # The zero-copy probe takes a moment: begin it now so the first connect (on an engine's
+        # first hit query) does not wait for it.
+        params = dict(self._params)
+        threading.Thread(target=transport_report, args=(params,), name="kvcr-nixl-probe", daemon=True).start()
 
     @property
     def name(self) -> str:
@@ -261,6 +265,7 @@ class NixlDataPlane:
 
     def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
         desc, extents, rows = wire.decode(description)
+        zero_copy = self.transport_report.zero_copy  # measured once per process (begun at construction)
         deadline = time.monotonic() + max(0.0, timeout_s)
         name = desc.name
         with self._lock:
@@ -297,7 +302,10 @@ class NixlDataPlane:
             self._unreachable(link)
             raise PeerUnavailable(f"{self._name}: peer {name!r} did not answer within {timeout_s:.2f}s")
         same_host = bool(self._host) and desc.host == self._host
-        late_writes = not (same_host and self._reads_complete_in_post(link, desc, deadline))
+        # Both must agree before a peer's reads may land in engine memory: UCX must have its
+        # zero-copy path here (a tcp READ over a fast loopback can also finish inside the post, so
+        # timing alone would misjudge it), and this peer's reads must really end inside the post.
+        late_writes = not (same_host and zero_copy and self._reads_complete_in_post(link, desc, deadline))
         info = PeerInfo(name, late_writes)
         with self._lock:
             if self._peers.get(name) is link:

@@ -493,6 +493,11 @@ def _run_reader(
         if child.poll() is None:
             child.kill()
             child.wait()
+        reader.join(1.0)
+        for pipe in (child.stdin, child.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    pipe.close()
         with contextlib.suppress(Exception):
             agent.deregister_memory(registration)
     if result is None:

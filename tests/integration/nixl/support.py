@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcr.domain.layout import RegionDescriptor
+from kvcr.testing.processes import stop_process
 
 LOOPBACK = {"ucx_devices": "lo"}  # keep UCX's sockets on lo
 REPO = Path(__file__).resolve().parents[3]
@@ -111,12 +112,7 @@ class Child:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGCONT)
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=20)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        stop_process(self.proc, grace_s=20)
 
 
 def plane_server(name, *, prefix=(), params=None, **env):

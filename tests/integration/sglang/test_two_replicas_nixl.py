@@ -127,4 +127,4 @@ def test_replica_a_killed_mid_read_gives_misses_and_raises_nothing():
         assert store.batch_exists(keys, hint(info)) == 0  # A is gone: nothing to lease, no exception
     finally:
         store.close()
-        proc.wait(10)
+        stop(proc)
