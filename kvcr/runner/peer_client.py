@@ -164,6 +164,7 @@ class PeerClient:
         self._lock = threading.Lock()
         self._quarantine: list[tuple[int, list[StagingBuffer]]] = []  # (handle, its staging buffers)
         self._specs = {p.name: p for p in runner.pools}
+        self._page_bytes = {p.name: p.page_bytes for p in runner.pools}
 
     def alive(self, lease: RemoteLease) -> bool:
         """Whether a read under ``lease`` could still be accepted."""
@@ -301,7 +302,7 @@ class PeerClient:
     def _count(self, outcomes: dict[str, list[PageOutcome]], requests: Sequence[PoolRead]) -> None:
         metrics = self._metrics
         for request in requests:
-            page_bytes = self._specs[request.pool].page_bytes if request.pool in self._specs else 0
+            page_bytes = self._page_bytes.get(request.pool, 0)
             tally: dict[Result, int] = {}
             for outcome in outcomes.get(request.pool, ()):
                 result = _RESULTS[outcome.outcome]
@@ -394,7 +395,8 @@ class PeerClient:
                     handle = self._quarantine[-1][0]
                     self._quarantine[-1] = (handle, list(buffers.values()))
             return [verdict] * len(chunk), False
-        nbytes = sum(self._specs[item.pool].page_bytes for item in chunk)
+        page_bytes = self._page_bytes
+        nbytes = sum(page_bytes[item.pool] for item in chunk)
         self._learn_rate(link, nbytes, self._clock.now() - started)
         if not link.staged:
             return self._checked(lease, chunk, lambda item: None), True

@@ -92,7 +92,7 @@ def build_node(
     timing: Timing | None = None,
     peer: PeerSettings | None = None,
     transport: str = "nixl",
-    verify_bytes: bool = True,
+    verify_bytes: bool = False,
 ) -> RunnerNode:
     """A node holding ``slots`` pages of ``page_bytes``, built through the composition root."""
     pool = bench_pool(page_bytes)

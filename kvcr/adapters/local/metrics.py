@@ -44,12 +44,12 @@ class InMemoryMetrics:
                 self._values[key] = value
 
     def observe(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> None:
-        try:
-            spec, given = check(name, Kind.HISTOGRAM, labels)
-        except MetricError as exc:
-            self._refuse(exc)
+        key = self._key(name, Kind.HISTOGRAM, labels)
+        if key is None:
             return
-        count, total = series(f"{spec.name.value}_count", given), series(f"{spec.name.value}_sum", given)
+        base, _, inner = key.partition("{")
+        suffix = "{" + inner if inner else ""
+        count, total = f"{base}_count{suffix}", f"{base}_sum{suffix}"
         with self._lock:
             self._values[count] = self._values.get(count, 0.0) + 1
             self._values[total] = self._values.get(total, 0.0) + value
