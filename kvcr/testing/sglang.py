@@ -29,7 +29,7 @@ def prepare_environment() -> None:
     ):
         os.environ.setdefault(var, str(repo / ".cache" / sub))
     stubs = repo / "tests" / "stubs"
-    if importlib.util.find_spec("torchvision") is None and stubs.is_dir():
+    if importlib.util.find_spec("torchvision") is None and stubs.is_dir() and str(stubs) not in sys.path:
         sys.path.append(str(stubs))
 
 

@@ -23,15 +23,11 @@ One request (``serve``), serialized per worker:
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
-import sys
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from queue import Empty
 from typing import Any
 
@@ -53,17 +49,9 @@ def prepare_sglang() -> None:
     Must run before SGLang is imported. The torchvision stub comes from the repository's
     ``tests/stubs`` when no torchvision is installed (SGLang imports it unconditionally).
     """
-    repo = Path(__file__).resolve().parents[3]
-    for var, sub in (
-        ("SGLANG_CACHE_DIR", "sglang"),
-        ("TORCH_EXTENSIONS_DIR", "torch_extensions"),
-        ("TRITON_CACHE_DIR", "triton"),
-        ("HF_HOME", "huggingface"),
-    ):
-        os.environ.setdefault(var, str(repo / ".cache" / sub))
-    stubs = repo / "tests" / "stubs"
-    if importlib.util.find_spec("torchvision") is None and stubs.is_dir() and str(stubs) not in sys.path:
-        sys.path.append(str(stubs))
+    from kvcr.testing.sglang import prepare_environment
+
+    prepare_environment()
     from sglang.srt.runtime_context import get_parallel
 
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
@@ -115,42 +103,10 @@ class _Allocator:
 
 def _host_pool(settings: WorkerSettings) -> Any:
     """SGLang's real MHA host pool (page_first, bf16), sized to ``host_pages`` pages."""
-    import torch
-    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-    from sglang.srt.mem_cache.pool_host.common import make_kernel_ptr_table
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from kvcr.testing.sglang import host_pool
 
-    tokens, layers = settings.page_tokens, settings.layers
-    # The device buffers only lend shapes and dtype; the host pool is sized on its own.
-    k = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers))
-    v = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers))
-    info = MHABufferInfo(
-        buffers=KVBuffers(
-            k=k,
-            v=v,
-            k_data_ptrs=make_kernel_ptr_table(list(k), "cpu", host_memory_registered=False),
-            v_data_ptrs=make_kernel_ptr_table(list(v), "cpu", host_memory_registered=False),
-            layout=KVBufferLayout.NHD,
-        ),
-        page_size=tokens,
-        head_num=HEADS,
-        head_dim=HEAD_DIM,
-        v_head_dim=HEAD_DIM,
-        dtype=torch.bfloat16,
-        device=torch.device("cpu"),
-    )
-    return MHATokenToKVPoolHost(
-        info,
-        1.0,
-        0,
-        tokens,
-        "page_first",
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=tokens,
-        start_layer=0,
-        end_layer=layers,
-        host_token_capacity=settings.host_pages * tokens,
+    return host_pool(
+        settings.layers, settings.host_pages, page_tokens=settings.page_tokens, heads=HEADS, head_dim=HEAD_DIM
     )
 
 
