@@ -59,6 +59,21 @@ class Binding:
         """Cancel one ucxx request (see the module doc); a completed one is left alone."""
         self._cancel(request.ucxx_ptr)
 
+    def close(self, endpoint: Any) -> Any:
+        """Start closing ``endpoint`` without waiting; the close request, or None.
+
+        Not ``close_blocking``: with error handling off it flushes, spinning the worker until a
+        peer that may be gone answers. For an endpoint that failed or closes already, ucxx
+        returns a request over a null pointer, and touching it -- even freeing it, which
+        cancels it -- crashes the process, at exit too; such a request gets one reference
+        more than anyone will drop, so it is never freed.
+        """
+        request = endpoint.close()
+        if request.ucxx_ptr:
+            return request
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(request))
+        return None
+
     def context(self, options: Mapping[str, str]) -> Any:
         lib = self.lib
         return lib.UCXContext(config_dict=dict(options), feature_flags=(lib.Feature.TAG, lib.Feature.WAKEUP))

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcr.adapters.ucx import wire
 from kvcr.adapters.ucx.binding import STATUS_CANCELED, STATUS_OK, Binding, load
+from kvcr.adapters.ucx.paths import host_token, late_writes
 from kvcr.adapters.ucx.progress import MODES, Pump
 from kvcr.adapters.ucx.source import Server
 from kvcr.domain.errors import ConfigError, KvcrError
@@ -231,7 +232,13 @@ class UcxDataPlane:
                 regions = [wire.RegionWire(i, r.count, r.piece_bytes, r.dense) for i, r in self._exposed.items()]
                 self._description = wire.ENCODER.encode(
                     wire.Description(
-                        wire.VERSION, self._name, self._nonce, self._address, self._error_handling, regions
+                        wire.VERSION,
+                        self._name,
+                        self._nonce,
+                        self._address,
+                        self._error_handling,
+                        host_token(),
+                        regions,
                     )
                 )
             return self._description
@@ -267,7 +274,7 @@ class UcxDataPlane:
                 desc.nonce,
                 endpoint,
                 {r.id: r for r in desc.regions},
-                PeerInfo(desc.name, late_writes=False),
+                PeerInfo(desc.name, late_writes(self._error_handling, host_token(), desc.host, self._options)),
             )
             dead = link.dead
             endpoint.set_close_callback(_mark_dead, (dead,))
@@ -515,8 +522,10 @@ class UcxDataPlane:
         self._close_endpoint(link.endpoint)
 
     def _close_endpoint(self, endpoint: Any) -> None:
-        with contextlib.suppress(Exception):  # already closing or failed
-            self._draining.append((endpoint.close(), bytearray()))
+        with contextlib.suppress(Exception):  # failed already: nothing left to stop
+            closing = self._b.close(endpoint)
+            if closing is not None:
+                self._draining.append((closing, bytearray()))
 
     def _progress_round(self) -> bool:
         """One turn of the progress thread: progress, serve peers, drain stale messages."""
@@ -527,19 +536,20 @@ class UcxDataPlane:
 
     def _drain(self) -> bool:
         """Take to-target messages that found no receive (they belong to given-up reads)."""
-        found = False
+        found: list[tuple[Any, bytearray]] = []
         probe_tag, kind_mask = self._b.tag(wire.DATA), self._b.mask(wire.TO_TARGET)
         for _ in range(_DRAIN_BUDGET):
             probe = self._worker.tag_probe(probe_tag, kind_mask, remove=True)
             if not probe.matched:
                 break
             scratch = bytearray(max(probe.length, 1))
-            self._draining.append((self._worker.tag_recv_with_handle(self._b.array(scratch), probe), scratch))
-            self.drained += 1
-            found = True
-        if self._draining:
-            self._draining = [(r, keep) for r, keep in self._draining if not r.completed]
-        return found
+            found.append((self._worker.tag_recv_with_handle(self._b.array(scratch), probe), scratch))
+        with self._lock:  # _drop adds to the same list from callers' threads
+            self.drained += len(found)
+            self._draining.extend(found)
+            if self._draining:
+                self._draining = [(r, keep) for r, keep in self._draining if not r.completed]
+        return bool(found)
 
     def _read(self, handle: int) -> _Read:
         read = self._reads.get(handle)

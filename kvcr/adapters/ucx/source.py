@@ -187,7 +187,12 @@ class Server:
             region = exposed.get(src_id)
             if region is None:
                 return wire.REFUSED_UNKNOWN_REGION, []
-            if count <= 0 or first < 0 or first + count > region.count or (not split and not region.dense):
+            if (
+                count <= 0
+                or first < 0
+                or first + count > region.count
+                or (not split and count > 1 and not region.dense)
+            ):
                 return wire.REFUSED_OUT_OF_BOUNDS, []
             if split:
                 segments.extend((region.address(first + k), region.piece_bytes) for k in range(count))
@@ -208,5 +213,7 @@ class Server:
             self._sending.append((sent, buffer))
 
     def _close_endpoint(self, endpoint: Any) -> None:
-        with contextlib.suppress(Exception):  # already closed or failed: nothing left to stop
-            self._closing.append(endpoint.close())
+        with contextlib.suppress(Exception):  # failed already: nothing left to stop
+            closing = self._b.close(endpoint)
+            if closing is not None:
+                self._closing.append(closing)

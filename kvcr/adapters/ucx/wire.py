@@ -68,6 +68,7 @@ class Description(msgspec.Struct, frozen=True):
     nonce: int  # this incarnation of the data plane
     address: bytes  # UCX worker address
     error_handling: bool  # both ends of an endpoint must agree
+    host: str  # boot id / pid namespace / user (kvcr.adapters.ucx.paths.host_token)
     regions: list[RegionWire]
 
 

@@ -1,0 +1,103 @@
+"""Helpers for the UCX tests: regions over numpy buffers, a bounded wait, a source in a child process."""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvcr.domain.layout import RegionDescriptor
+
+REPO = Path(__file__).resolve().parents[3]
+LOOPBACK = {"ucx_devices": "lo"}
+NO_ERROR_HANDLING = {"ucx_devices": "lo", "ucx_error_handling_mode": "none"}
+
+
+class Pool:
+    """``count`` pieces of ``piece`` bytes, ``stride`` apart, in one numpy buffer."""
+
+    def __init__(self, label, count, piece, stride=None, seed=None):
+        self.stride = stride or piece
+        self.piece_bytes = piece
+        self.array = np.zeros(self.stride * (count - 1) + piece, dtype=np.uint8)
+        if seed is not None:
+            self.array[:] = np.random.default_rng(seed).integers(0, 256, self.array.size, dtype=np.uint8)
+        self.region = RegionDescriptor(label, self.array.ctypes.data, self.stride, count, piece)
+
+    def piece(self, index):
+        start = index * self.stride
+        return self.array[start : start + self.piece_bytes].tobytes()
+
+    def untouched(self):
+        return not self.array.any()
+
+
+def page(seed, index, nbytes):
+    """The known content of page ``index`` of a source seeded with ``seed``."""
+    return np.random.default_rng([seed, index]).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def wait(plane, handle, timeout_s=10.0):
+    """Poll to a terminal state within ``timeout_s``: a burst of polls, then short sleeps."""
+    deadline = time.monotonic() + timeout_s
+    spins = 0
+    while time.monotonic() < deadline:
+        state = plane.poll(handle)
+        if state.terminal:
+            return state
+        spins += 1
+        if spins > 100:
+            time.sleep(0.0005)
+    raise AssertionError(f"transfer {handle} still {plane.poll(handle).value} after {timeout_s}s")
+
+
+class SourceProcess:
+    """``python -m tests.integration.ucx.source_process`` in a child: known pages, served over UCX."""
+
+    def __init__(self, *, pages, piece, seed, params, components=1, env=None):
+        args = [sys.executable, "-m", "tests.integration.ucx.source_process"]
+        spec = {"pages": pages, "piece": piece, "seed": seed, "params": params, "components": components}
+        self.proc = subprocess.Popen(
+            [*args, json.dumps(spec)],
+            cwd=REPO,
+            env={**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        hello = self._line(60)
+        self.description = bytes.fromhex(hello["description"])
+        self.regions = hello["regions"]
+        self.pid = self.proc.pid
+
+    def command(self, *words, timeout_s=30):
+        self.proc.stdin.write(" ".join(str(w) for w in words) + "\n")
+        self.proc.stdin.flush()
+        return self._line(timeout_s)
+
+    def _line(self, timeout_s):
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        if not ready:
+            self.kill()
+            raise AssertionError(f"the source process said nothing within {timeout_s}s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"the source process ended (rc={self.proc.wait(5)})")
+        return json.loads(line)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self):
+        if self.proc.poll() is None:
+            with contextlib.suppress(AssertionError, BrokenPipeError, OSError):  # it may be stopped or gone
+                self.command("quit", timeout_s=15)
+        self.kill()
