@@ -62,6 +62,7 @@ class _Link:
     name: str
     description: bytes
     nonce: int
+    address: bytes
     endpoint: Any
     regions: dict[int, wire.RegionWire]
     info: PeerInfo
@@ -258,8 +259,14 @@ class UcxDataPlane:
         with self._lock:
             self._check_open()
             current = self._peers.get(desc.name)
-            if current is not None and current.description == description and not current.dead[0]:
-                return current.info
+            if current is not None and not current.dead[0]:
+                if current.description == description:
+                    return current.info
+                if current.nonce == desc.nonce and current.address == desc.address:
+                    # Same incarnation, new region table: keep the endpoint and the live reads.
+                    current.regions = {r.id: r for r in desc.regions}
+                    current.description = description
+                    return current.info
             if current is not None:
                 self._drop(current, "the peer was connected again")
             try:
@@ -272,6 +279,7 @@ class UcxDataPlane:
                 desc.name,
                 description,
                 desc.nonce,
+                desc.address,
                 endpoint,
                 {r.id: r for r in desc.regions},
                 PeerInfo(desc.name, late_writes(self._error_handling, host_token(), desc.host, self._options)),

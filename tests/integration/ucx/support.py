@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -67,29 +68,34 @@ class SourceProcess:
             env={**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            text=True,
+            bufsize=0,
         )
+        self._pending = b""
         hello = self._line(60)
         self.description = bytes.fromhex(hello["description"])
         self.regions = hello["regions"]
         self.pid = self.proc.pid
 
     def command(self, *words, timeout_s=30):
-        self.proc.stdin.write(" ".join(str(w) for w in words) + "\n")
-        self.proc.stdin.flush()
+        self.proc.stdin.write((" ".join(str(w) for w in words) + "\n").encode())
         return self._line(timeout_s)
 
     def _line(self, timeout_s):
-        import select
-
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        if not ready:
-            self.kill()
-            raise AssertionError(f"the source process said nothing within {timeout_s}s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"the source process ended (rc={self.proc.wait(5)})")
-        return json.loads(line)
+        """The next JSON line (anything else on stdout is a library talking), within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                if line.startswith(b"{"):
+                    return json.loads(line)
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.kill()
+                raise AssertionError(f"the source process said nothing within {timeout_s}s")
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                raise AssertionError(f"the source process ended (rc={self.proc.wait(5)})")
+            self._pending += chunk
 
     def kill(self):
         if self.proc.poll() is None:

@@ -266,3 +266,20 @@ def test_importing_the_adapter_imports_no_ucxx_and_building_one_leaves_the_envir
         [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60, env=os.environ
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_new_region_table_of_the_same_incarnation_keeps_the_connection_and_its_reads(planes):
+    source, target, src, dst, sid, did = _pair(planes)
+    gate = Gate()
+    source.guard_reads(gate)
+    handle = target.read("source", [PieceRun(sid, 0, did, 0, 2)])
+    more = Pool("arena2", COUNT, PIECE, seed=3)
+    (sid2,) = source.register([more.region], exposed=True)
+    target.connect(source.describe(), 5.0)  # the peer protocol relays the new description
+    gate.opened.set()
+    assert wait(target, handle) is TransferState.DONE
+    target.release(handle)
+    handle = target.read("source", [PieceRun(sid2, 5, did, 4, 1)])
+    assert wait(target, handle) is TransferState.DONE
+    target.release(handle)
+    assert dst.piece(0) == src.piece(0) and dst.piece(4) == more.piece(5)
