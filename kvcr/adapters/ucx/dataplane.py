@@ -88,13 +88,14 @@ class _Read:
 def parse_backend_params(params: Mapping[str, str]) -> tuple[bool, dict[str, str]]:
     """(error handling, UCX context options) from NIXL-style backend parameters.
 
-    ``ucx_devices`` -> UCX ``NET_DEVICES``; ``ucx_error_handling_mode`` -> ``peer`` | ``none``;
-    any other key written in upper case (``TLS``, ``RNDV_THRESH``...) is a UCX option as is.
+    ``ucx_devices`` -> UCX ``NET_DEVICES``; ``ucx_error_handling_mode`` -> ``none`` (the default
+    here, unlike NIXL's: see the module doc) | ``peer``; any other key written in upper case
+    (``TLS``, ``RNDV_THRESH``...) is a UCX option as is.
 
     Raises:
         ConfigError: an unknown key or value, named.
     """
-    error_handling = True
+    error_handling = False
     options: dict[str, str] = {}
     for key, value in params.items():
         key, value = str(key), str(value)
@@ -410,9 +411,10 @@ class UcxDataPlane:
             for link in links:
                 self._drop(link, "closed")
             self._reads.clear()
-        self._worker.progress()  # let the BYEs go
-        self._pump.stop()
-        self._server.close()
+        if self._pump.stop():
+            self._server.close()
+        else:  # a read guard holds the progress thread: the server is its until that returns
+            log.warning("%s: the progress thread did not stop; peers learn of our close by timeout", self._name)
         for receive, _ in self._draining:
             self._b.cancel(receive)
         self._draining.clear()
@@ -539,8 +541,35 @@ class UcxDataPlane:
         """One turn of the progress thread: progress, serve peers, drain stale messages."""
         self._worker.progress()
         busy = self._server.serve()
+        busy = self._farewells() or busy
         busy = self._drain() or busy
         return busy
+
+    def _farewells(self) -> bool:
+        """Sources that closed said GONE: their links die now, so their reads fail at once."""
+        found = False
+        tag, mask = self._b.tag(wire.GONE), self._b.mask(wire.KIND_MASK)
+        while True:
+            probe = self._worker.tag_probe(tag, mask, remove=True)
+            if not probe.matched:
+                return found
+            found = True
+            buffer = bytearray(max(probe.length, 1))
+            receive = self._worker.tag_recv_with_handle(self._b.array(buffer), probe)
+            deadline = time.monotonic() + 0.1
+            while not receive.completed and time.monotonic() < deadline:
+                self._worker.progress()
+            if not receive.completed or receive.status != STATUS_OK:
+                self._b.cancel(receive)
+                continue
+            try:
+                gone = wire.decode_bye(bytes(buffer))
+            except (ValueError, TypeError):
+                continue
+            with self._lock:
+                link = self._peers.get(gone.name)
+                if link is not None and link.nonce == gone.nonce:
+                    link.dead[0] = True
 
     def _drain(self) -> bool:
         """Take to-target messages that found no receive (they belong to given-up reads)."""

@@ -53,14 +53,17 @@ class Pump:
         with contextlib.suppress(OSError):  # closed: the thread is gone already
             os.eventfd_write(self._wake_fd, 1)
 
-    def stop(self, timeout_s: float = 2.0) -> None:
+    def stop(self, timeout_s: float = 2.0) -> bool:
+        """Stop the thread; False if it is still inside a round (then it ends after that round)."""
         self._stop.set()
         self.wake()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
-        if not self._thread.is_alive():
-            self._epoll.close()
-            os.close(self._wake_fd)
+        if self._thread.is_alive():
+            return False
+        self._epoll.close()
+        os.close(self._wake_fd)
+        return True
 
     def _wait(self) -> None:
         if self._mode == "blocking":

@@ -97,6 +97,16 @@ class Server:
         return worked
 
     def close(self) -> None:
+        """Tell every target we are gone (so their reads fail now, not at their reply timeout), then
+        close the endpoints.
+
+        No progress here: it would also move sends still in flight, and a caller may free the memory
+        they read from as soon as ``close`` returns (or before, in tests). A small eager GONE leaves
+        inside its post.
+        """
+        gone = wire.ENCODER.encode(wire.Bye(self._name, self._nonce))
+        for client in self._clients.values():
+            self._send(client.endpoint, wire.GONE, gone)
         for client in self._clients.values():
             self._close_endpoint(client.endpoint)
         self._clients.clear()

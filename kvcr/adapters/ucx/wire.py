@@ -7,7 +7,8 @@ Tags are 64 bits: a 4-bit kind on top, then a 40-bit read id and a 20-bit segmen
 Kinds with bit 63 set go to a *source* (HELLO, REQUEST, BYE: its serving loop probes for them);
 kinds ``01xx`` go to a *target* (DATA, REPLY, WELCOME), each with a receive the target posted
 before it sent what provokes them. So a to-target message that finds no posted receive belongs
-to a read that was cancelled, and the target may drain it.
+to a read that was cancelled, and the target may drain it. GONE (``0010``), a source's last word
+to its targets when it closes, is probed for like the source's kinds.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ DATA = 0x4 << 60
 REPLY = 0x5 << 60
 WELCOME = 0x6 << 60
 TO_TARGET = 0xC << 60  # mask selecting bits 63..62; value 01 = any of the above
+GONE = 0x2 << 60
 
 KIND_MASK = 0xF << 60
 MAX_READ_ID = (1 << 40) - 1
@@ -95,6 +97,8 @@ class Request(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Bye(msgspec.Struct, array_like=True, frozen=True):
+    """BYE (a target leaves a source) and GONE (a source leaves its targets): who, which incarnation."""
+
     name: str
     nonce: int
 

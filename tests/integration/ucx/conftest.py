@@ -12,6 +12,7 @@ def planes():
     from kvcr.adapters.ucx import UcxDataPlane
 
     made = []
+    kept = []  # memory the planes may still send from: freed only after they closed
 
     def make(name, **kwargs):
         kwargs.setdefault("backend_params", LOOPBACK)
@@ -19,7 +20,9 @@ def planes():
         made.append(plane)
         return plane
 
+    make.keep = kept.append
     yield make
     for plane in made:
         with contextlib.suppress(Exception):  # a test may have closed it, or left it unclosable on purpose
             plane.close()
+    kept.clear()

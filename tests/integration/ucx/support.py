@@ -14,8 +14,8 @@ import numpy as np
 from kvcr.domain.layout import RegionDescriptor
 
 REPO = Path(__file__).resolve().parents[3]
-LOOPBACK = {"ucx_devices": "lo"}
-NO_ERROR_HANDLING = {"ucx_devices": "lo", "ucx_error_handling_mode": "none"}
+LOOPBACK = {"ucx_devices": "lo"}  # the default: ucx_error_handling_mode=none (CMA on one host)
+PEER = {"ucx_devices": "lo", "ucx_error_handling_mode": "peer"}  # tcp only
 
 
 class Pool:
@@ -35,6 +35,13 @@ class Pool:
 
     def untouched(self):
         return not self.array.any()
+
+
+def pool(planes, *args, **kwargs):
+    """A Pool that lives until the ``planes`` fixture closed its planes (sends may read it until then)."""
+    made = Pool(*args, **kwargs)
+    planes.keep(made)
+    return made
 
 
 def page(seed, index, nbytes):

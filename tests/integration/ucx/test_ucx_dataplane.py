@@ -13,7 +13,7 @@ from kvcr.domain.errors import ConfigError
 from kvcr.domain.layout import PieceRun
 from kvcr.ports.dataplane import TransferState
 from kvcr.ports.errors import PeerUnavailable, TransportError
-from tests.integration.ucx.support import LOOPBACK, NO_ERROR_HANDLING, REPO, Pool, wait
+from tests.integration.ucx.support import LOOPBACK, PEER, REPO, pool, wait
 
 pytestmark = pytest.mark.ucx
 
@@ -23,8 +23,8 @@ COUNT = 8
 
 def _pair(planes, **target_kwargs):
     source, target = planes("source"), planes("target", **target_kwargs)
-    src = Pool("arena", COUNT, PIECE, seed=1)
-    dst = Pool("host", COUNT, PIECE)
+    src = pool(planes, "arena", COUNT, PIECE, seed=1)
+    dst = pool(planes, "host", COUNT, PIECE)
     (sid,) = source.register([src.region], exposed=True)
     (did,) = target.register([dst.region], exposed=False)
     target.connect(source.describe(), 5.0)
@@ -84,9 +84,9 @@ def test_a_hostile_request_for_a_private_region_is_refused_at_the_source(planes)
     # The attacker skips its own side's checks (it claims the source exposes the private id) and
     # sends the raw request a hostile peer would; the source must refuse it.
     source, attacker = planes("source"), planes("attacker")
-    secret = Pool("engine", COUNT, PIECE, seed=9)
+    secret = pool(planes, "engine", COUNT, PIECE, seed=9)
     (private_id,) = source.register([secret.region], exposed=False)
-    loot = Pool("loot", COUNT, PIECE)
+    loot = pool(planes, "loot", COUNT, PIECE)
     (did,) = attacker.register([loot.region], exposed=False)
     attacker.connect(source.describe(), 5.0)
     attacker._peers["source"].regions[private_id] = wire.RegionWire(private_id, COUNT, PIECE, True)
@@ -163,8 +163,8 @@ def test_close_refuses_while_a_read_is_uncertain_and_release_too(planes):
 
 def test_strided_regions_move_piece_by_piece_and_dense_runs_in_one_message(planes):
     source, target = planes("source"), planes("target")
-    src = Pool("arena", COUNT, PIECE, stride=PIECE + 4096, seed=5)
-    dst = Pool("host", COUNT, PIECE)
+    src = pool(planes, "arena", COUNT, PIECE, stride=PIECE + 4096, seed=5)
+    dst = pool(planes, "host", COUNT, PIECE)
     (sid,) = source.register([src.region], exposed=True)
     (did,) = target.register([dst.region], exposed=False)
     target.connect(source.describe(), 5.0)
@@ -177,8 +177,8 @@ def test_strided_regions_move_piece_by_piece_and_dense_runs_in_one_message(plane
 
 def test_a_large_dense_read_is_byte_exact(planes):
     source, target = planes("source"), planes("target")
-    src = Pool("arena", 4, 8 << 20, seed=11)
-    dst = Pool("host", 4, 8 << 20)
+    src = pool(planes, "arena", 4, 8 << 20, seed=11)
+    dst = pool(planes, "host", 4, 8 << 20)
     (sid,) = source.register([src.region], exposed=True)
     (did,) = target.register([dst.region], exposed=False)
     target.connect(source.describe(), 5.0)
@@ -194,14 +194,14 @@ def test_late_writes_are_declared_by_the_path_ucx_takes(planes):
     # shows both by stopping a source mid-read.
     from kvcr.adapters.ucx.paths import cma_allowed
 
-    for params, expected in ((LOOPBACK, True), (NO_ERROR_HANDLING, not cma_allowed({}))):
+    for params, expected in ((PEER, True), (LOOPBACK, not cma_allowed({}))):
         source = planes(f"source-{expected}", backend_params=params)
         target = planes(f"target-{expected}", backend_params=params)
         assert target.connect(source.describe(), 5.0).late_writes is expected
 
 
 def test_both_ends_must_agree_on_error_handling(planes):
-    source = planes("source", backend_params=NO_ERROR_HANDLING)
+    source = planes("source", backend_params=PEER)
     target = planes("target")
     with pytest.raises(PeerUnavailable, match="ucx_error_handling_mode"):
         target.connect(source.describe(), 1.0)
@@ -217,15 +217,32 @@ def test_a_closed_source_fails_connect_within_the_timeout(planes):
     assert time.monotonic() - started < 3.0
 
 
+def test_a_source_that_closes_fails_its_targets_reads_at_once(planes):
+    # A closing source says GONE: reads fail now (not at the 30 s reply timeout), new ones are refused.
+    source, target, _, dst, sid, did = _pair(planes, reply_timeout_s=30.0)
+    source.close()
+    deadline = time.monotonic() + 2.0
+    while True:
+        try:
+            handle = target.read("source", [PieceRun(sid, 0, did, 0, 1)])
+        except PeerUnavailable:
+            break
+        assert wait(target, handle, timeout_s=2.0) is TransferState.FAILED
+        target.release(handle)
+        assert time.monotonic() < deadline, "the target never learnt that the source closed"
+        time.sleep(0.01)
+    assert dst.untouched()
+
+
 def test_a_restarted_source_replaces_the_connection(planes):
     first, target = planes("source"), planes("target")
-    src = Pool("arena", COUNT, PIECE, seed=2)
+    src = pool(planes, "arena", COUNT, PIECE, seed=2)
     first.register([src.region], exposed=True)
     target.connect(first.describe(), 5.0)
     first.close()
     second = planes("source")
     (sid,) = second.register([src.region], exposed=True)
-    dst = Pool("host", COUNT, PIECE)
+    dst = pool(planes, "host", COUNT, PIECE)
     (did,) = target.register([dst.region], exposed=False)
     target.connect(second.describe(), 5.0)
     handle = target.read("source", [PieceRun(sid, 0, did, 0, 1)])
@@ -239,7 +256,8 @@ def test_bad_backend_parameters_are_named():
         parse_backend_params({"ucx_error_handling_mode": "sometimes"})
     with pytest.raises(ConfigError, match="'colour'"):
         parse_backend_params({"colour": "blue"})
-    assert parse_backend_params({"ucx_devices": "lo", "TLS": "tcp"}) == (True, {"NET_DEVICES": "lo", "TLS": "tcp"})
+    assert parse_backend_params({"ucx_devices": "lo", "TLS": "tcp"}) == (False, {"NET_DEVICES": "lo", "TLS": "tcp"})
+    assert parse_backend_params({"ucx_error_handling_mode": "peer"}) == (True, {})
     with pytest.raises(ConfigError, match="progress_mode"):
         UcxDataPlane("x", progress_mode="spin")
 
@@ -273,7 +291,7 @@ def test_a_new_region_table_of_the_same_incarnation_keeps_the_connection_and_its
     gate = Gate()
     source.guard_reads(gate)
     handle = target.read("source", [PieceRun(sid, 0, did, 0, 2)])
-    more = Pool("arena2", COUNT, PIECE, seed=3)
+    more = pool(planes, "arena2", COUNT, PIECE, seed=3)
     (sid2,) = source.register([more.region], exposed=True)
     target.connect(source.describe(), 5.0)  # the peer protocol relays the new description
     gate.opened.set()
