@@ -10,23 +10,29 @@ ucxx's Python API has no RMA (no memory handles, remote keys or GET), so a read 
    DRAM and sends the reply; a refused request gets the reply alone, not one byte of memory.
 3. The read is DONE when every segment and an OK reply arrived.
 
-Where the bytes go: small segments travel eagerly (through UCX's bounce buffers); larger ones by
-rendezvous. With ``ucx_error_handling_mode=none`` on one host UCX uses CMA for the rendezvous:
-the target's own worker copies from the source's memory into the destination with one
-``process_vm_readv``, no intermediate copy. With ``peer`` (the default, as for NIXL) UCX 1.21
-keeps only tcp lanes for peer-failure detection, and the pieces are streamed over loopback.
+Where the bytes go (``UCX_PROTO_INFO``, UCX 1.21): with ``ucx_error_handling_mode=none``, the
+default here, two processes on one host use sysv shared memory for messages up to ~5 KB (one
+bounce through UCX's FIFO, inherent to eager sends) and, above, a rendezvous the target pulls by
+CMA: one ``process_vm_readv`` from the source's DRAM into the destination, no intermediate copy.
+With ``peer`` (NIXL's default) UCX keeps only lanes that report a peer's failure, tcp here, and
+every piece is streamed through sockets, several times slower for large pieces (docs/ucx.md).
+NIXL's UCX keeps CMA for RMA in ``peer`` mode; for tag rendezvous this UCX does not.
 
 Outcomes. FAILED: a refusal, an error on any receive, the source not answering within
-``reply_timeout_s``, the endpoint failing (UCX ``peer`` mode notices a dead process), or
-``disconnect``. In each case the receives still posted are cancelled first and the read ends
-only once every receive has ended, so a FAILED read writes nothing more. CANCELLED: ``cancel``
-took every receive out (``ucp_request_cancel`` confirms a receive not yet matched at once). A
-receive already matched runs to its end, which ``ucp_request_cancel`` cannot stop; until it does
-the read is UNCERTAIN and a later ``poll`` sees it end. Messages for a given-up read that arrive
-afterwards find no receive and are drained into scratch memory, never into the destination.
+``reply_timeout_s``, the source saying GONE (it closed), the endpoint failing (``peer`` mode
+notices a dead process), or ``disconnect``. In each case the receives still posted are
+cancelled first and the read ends only once every receive has ended, so a FAILED read writes
+nothing more. CANCELLED: ``cancel`` took every receive out (``ucp_request_cancel`` confirms a
+receive not yet matched at once, :mod:`.binding`). A receive already matched runs to its end;
+until it does the read is UNCERTAIN and a later ``poll`` sees it end. Messages for a given-up
+read that arrive afterwards find no receive and are drained into scratch memory, never into the
+destination. Whether a matched receive can outlive ``disconnect`` depends on the path, hence
+``PeerInfo.late_writes`` (:mod:`.paths`): True for tcp, False for CMA on one host.
 
 Threading: one lock guards our tables; UCX calls are made on a worker in UCX's multi-thread
 mode, from the caller's thread (posting, ``poll``'s progress) and from the progress thread.
+Memory a source exposes must stay mapped until the data plane is closed: UCX sends cannot be
+cancelled, so a send may still read it after ``deregister``.
 """
 
 from __future__ import annotations
