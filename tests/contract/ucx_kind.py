@@ -1,7 +1,7 @@
 """The ``ucx`` kind of the contract suite: real ucxx workers, two of them in this one process.
 
 Two data planes in one process talk over UCX as two processes would (their own UCX contexts and
-workers; each serves reads on its own progress thread). UCX's sockets stay on loopback.
+workers; each serves reads on its own progress thread). UCX's tcp interfaces stay on loopback.
 """
 
 from kvcr.adapters.ucx import UcxDataPlane

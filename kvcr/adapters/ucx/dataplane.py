@@ -319,8 +319,9 @@ class UcxDataPlane:
             why = f"its WELCOME failed (status {answer.status})"
         elif wire.unpack_welcome(bytes(welcome)) != desc.nonce:
             why = "it restarted since this description was made"
-        del sent  # an eager HELLO is out; a pending one is kept alive by ucxx until it ends
         with self._lock:
+            if not sent.completed:  # a zero-copy send still reads its buffer
+                self._draining.append((sent, hello))
             if not why and self._closed:
                 why = "we closed meanwhile"
             if why:

@@ -1,7 +1,10 @@
 """A UCX source in another process: restore of known pages, a source killed or stopped mid-read."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -10,7 +13,7 @@ import pytest
 from kvcr.adapters.ucx.paths import cma_allowed
 from kvcr.domain.layout import PieceRun, slot_runs
 from kvcr.ports.dataplane import TransferState
-from tests.integration.ucx.support import LOOPBACK, PEER, SourceProcess, page, pool, wait
+from tests.integration.ucx.support import LOOPBACK, PEER, REPO, SourceProcess, page, pool, wait
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
@@ -172,3 +175,23 @@ def test_an_idle_source_costs_almost_no_cpu(source_process):
     second = source.command("cpu")
     busy = (second["cpu_s"] - first["cpu_s"]) / (second["wall"] - first["wall"])
     assert busy < 0.05, f"an idle source used {busy:.1%} of a core"
+
+
+@pytest.mark.nixl
+def test_the_bench_runs_every_column_and_names_the_transports(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--pieces", "8K", "--batches", "4", "--reps", "1", "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcr.adapters.ucx.bench", *args],
+        cwd=REPO,
+        env={**os.environ, "UCX_NET_DEVICES": "lo"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert set(row["us"]) == {"memmove", "nixl", "ucx-peer", "ucx-none"}  # each checked its bytes
+    transports = " ".join(result["notes"]["transports"])
+    assert "tcp/lo" in transports and ("cma/memory" in transports or not cma_allowed({}))
