@@ -156,7 +156,7 @@ def _measure_remote(args: argparse.Namespace, progress: _Progress) -> list[Any]:
         results.extend(
             progress.step(
                 f"remote: {format_byte_size(size)} pages, batches {args.batches}",
-                partial(run_remote, size, batches, args.reps, port=port),
+                partial(run_remote, size, batches, args.reps, port=port, transport=args.transport),
             )
         )
     return results
@@ -382,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument("--batches", default="32,128", help="pages per restore, comma-separated")
     remote.add_argument("--reps", type=_positive("--reps"), default=20, help="timed repetitions per configuration")
     remote.add_argument("--port", type=_port, default=0, help="first of the loopback ports to use (0: free ones)")
+    remote.add_argument(
+        "--transport",
+        choices=("nixl", "ucx"),
+        default="nixl",
+        help="kvcr's data plane for read and restore (the baseline stays a raw NIXL READ)",
+    )
     _json_option(remote, "bench-results/remote.json")
     remote.set_defaults(func=_bench_remote)
 

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from kvcr.ports.memory import HostMemory
     from kvcr.ports.metrics import Metrics
 
-TRANSPORTS = ("nixl", "mock")
+TRANSPORTS = ("nixl", "ucx", "mock")
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +153,14 @@ def _nixl_data_plane(config: RunnerConfig) -> DataPlane:
     return NixlDataPlane(config.name)
 
 
+def _ucx_data_plane(config: RunnerConfig) -> DataPlane:
+    from kvcr.adapters.ucx import UcxDataPlane
+
+    # A source that has not answered a read by the operation deadline never will in time.
+    timing = config.timing
+    return UcxDataPlane(config.name, connect_timeout_s=timing.connect_s, reply_timeout_s=timing.operation_s)
+
+
 def _mock_control(fabric: MockFabric, settings: NodeSettings, clock: Clock) -> ControlChannel:
     from kvcr.adapters.mock import MockControlChannel
 
@@ -226,6 +234,7 @@ class Container(containers.DeclarativeContainer):
         config.transport,
         mock=providers.Singleton(_mock_data_plane, fabric, runner_config, clock),
         nixl=providers.Singleton(_nixl_data_plane, runner_config),
+        ucx=providers.Singleton(_ucx_data_plane, runner_config),
     )
     control = providers.Selector(
         config.control,

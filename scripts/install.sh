@@ -5,6 +5,8 @@
 # and installs, pinned by <repo>/constraints.txt:
 #   * torch 2.13.0 CPU wheel (local find-links; never let pip resolve torch itself),
 #   * NIXL 1.5.1 (nixl meta + nixl-cu13, --no-deps: their torch dep would pull CUDA),
+#   * ucxx 0.52 (ucxx-cu12 + its UCX/RMM libraries, --no-deps: it declares rmm-cu12, cuda-core and
+#     nvidia-ml-py, none of which `import ucxx` needs on CPU),
 #   * SGLang 0.5.23 (--no-deps) + triton (--no-deps) + the deps its HiCache modules import,
 #   * ai-dynamo-runtime 1.6.1 (SelectionService / RadixTree / block hashing),
 #   * prometheus-client (kvcr's metrics) and matplotlib (benchmark figures),
@@ -49,7 +51,7 @@ pip_install() {
     "${PIP[@]}" install "$@" 2>&1 | sed -u \
         -e '/is ignored: it is neither a file nor a directory/d' \
         -e "/^ERROR: pip's dependency resolver does not currently take into account/d" \
-        -e '/^\(sglang\|nixl\|nixl-cu13\|ai-dynamo\) [0-9.]* requires /d' >&2
+        -e '/^\(sglang\|nixl\|nixl-cu13\|ai-dynamo\|ucxx-cu12\|libucxx-cu12\|librmm-cu12\) [0-9.]* requires /d' >&2
 }
 
 install_project() {
@@ -118,6 +120,11 @@ log "torch"
 #    sglang (declares torch==2.14.1 and CUDA kernels), triton (sglang imports it unconditionally).
 log "no-deps packages: nixl, nixl-cu13, sglang, triton"
 "${PIPC[@]}" --no-deps nixl nixl-cu13 sglang triton
+
+# 2b. ucxx (the UCX data plane) and the libraries its import loads, nothing else: its declared
+#     rmm-cu12 / cuda-core / nvidia-ml-py are for GPU buffers and device discovery.
+log "no-deps packages: ucxx-cu12, libucxx-cu12, libucx-cu12, librmm-cu12, rapids-logger"
+"${PIPC[@]}" --no-deps ucxx-cu12 libucxx-cu12 libucx-cu12 librmm-cu12 rapids-logger
 
 # 3. everything else in one resolver pass, pinned by constraints.txt (setuptools: the editable
 #    install builds without isolation).

@@ -19,6 +19,7 @@ configuration. Ratios are against ``raw`` (and ``raw`` against ``memcpy``) of th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -57,6 +58,7 @@ class RemoteResult:
     restore_vs_raw: float
     raw_vs_memcpy: float
     verified: bool
+    transport: str = "nixl"
 
     def gbps(self, ms: float) -> float:
         return self.pages * self.page_bytes / (ms / 1e3) / 1e9
@@ -81,7 +83,9 @@ def source_replica_process(module_args: list[str]) -> Iterator[dict[str, Any]]:
         stop_process(proc)
 
 
-def source_replica(page_bytes: int, port: int) -> contextlib.AbstractContextManager[dict[str, Any]]:
+def source_replica(
+    page_bytes: int, port: int, transport: str = "nixl"
+) -> contextlib.AbstractContextManager[dict[str, Any]]:
     """A ``kvcr.testing.replica`` replica holding SOURCE_PAGES known pages of ``page_bytes``."""
     return source_replica_process(
         [
@@ -97,6 +101,8 @@ def source_replica(page_bytes: int, port: int) -> contextlib.AbstractContextMana
             f"bench-source-{port}-{os.getpid()}",
             "--lease-ms",
             "60000",
+            "--transport",
+            transport,
         ]
     )
 
@@ -183,25 +189,35 @@ class RawReader:
         self.agent.deregister_memory(self.registration)
 
 
-def run_remote(page_bytes: int, batches: list[int], reps: int, port: int | None = None) -> list[RemoteResult]:
-    """Measure every batch for one page size; ``port`` starts a block of 3 (free ones by default)."""
-    port = port or free_port_block(3)
+def run_remote(
+    page_bytes: int, batches: list[int], reps: int, port: int | None = None, transport: str = "nixl"
+) -> list[RemoteResult]:
+    """Measure every batch for one page size over ``transport``; ``port`` starts a block of 4 (free
+    ones by default). The baseline is always a raw NIXL READ: with another transport a second source
+    replica, over NIXL and holding the same pages, serves it."""
+    port = port or free_port_block(4)
     pool = bench_pool(page_bytes)
     runner_timing = deadlines.Timing(operation_s=30.0, abandon_s=60.0, lease_s=60.0, lease_margin_s=1.0)
     results = []
-    with source_replica(page_bytes, port) as info:
-        node = build_node(f"bench-target-{os.getpid()}-{port}", port + 1, page_bytes, 4, timing=runner_timing)
+    with contextlib.ExitStack() as stack:
+        info = stack.enter_context(source_replica(page_bytes, port))
+        kvcr_source = info
+        if transport != "nixl":
+            kvcr_source = stack.enter_context(source_replica(page_bytes, port + 3, transport))
+        node = build_node(
+            f"bench-target-{os.getpid()}-{port}", port + 1, page_bytes, 4, timing=runner_timing, transport=transport
+        )
         memory = MmapHostMemory()
         host = HostPool.allocate(memory, pool, SOURCE_PAGES)
         scratch = memory.allocate(SOURCE_PAGES * page_bytes, "bench/memcpy")
         node.register_host_pool("kv", host.regions)
         keys: list[str] = info["keys"]
-        endpoint: str = info["endpoint"]
+        endpoint: str = kvcr_source["endpoint"]
         try:
             lease = node.client.lease(endpoint, [("kv", keys)])
             if lease is None or len(lease.slots) != len(keys) or lease.link is None:
                 raise RuntimeError("could not lease the source's pages")
-            description, region_ids = data_plane_description(endpoint, dict(node.runner.namespaces), port + 2)
+            description, region_ids = data_plane_description(info["endpoint"], dict(node.runner.namespaces), port + 2)
             raw = RawReader(
                 f"bench-raw-{os.getpid()}-{port}",
                 description,
@@ -212,7 +228,8 @@ def run_remote(page_bytes: int, batches: list[int], reps: int, port: int | None 
             )
             try:
                 for batch in batches:
-                    results.append(_measure(node, raw, lease, host, scratch, keys[:batch], endpoint, reps))
+                    result = _measure(node, raw, lease, host, scratch, keys[:batch], endpoint, reps)
+                    results.append(dataclasses.replace(result, transport=transport))
             finally:
                 raw.close()
                 node.client.release(lease)
@@ -286,7 +303,7 @@ def _measure(
 def remote_table(results: list[RemoteResult]) -> str:
     rows = [
         [
-            f"{format_byte_size(r.page_bytes)} x {r.pages}",
+            f"{format_byte_size(r.page_bytes)} x {r.pages}" + ("" if r.transport == "nixl" else f" ({r.transport})"),
             f"{r.memcpy_p50_ms:.2f} / {r.gbps(r.memcpy_p50_ms):.1f}",
             f"{r.raw_p50_ms:.2f} / {r.gbps(r.raw_p50_ms):.1f}",
             f"{r.read_p50_ms:.2f} / {r.gbps(r.read_p50_ms):.1f}",

@@ -1,4 +1,4 @@
-"""A replica for peer tests and benchmarks: a runner node over NIXL + ZMQ holding known pages.
+"""A replica for peer tests and benchmarks: a runner node over NIXL (or UCX) + ZMQ holding known pages.
 
 ``python -m kvcr.testing.replica --port P --pages N --page-bytes B`` builds a node, fills a host pool
 with pages whose bytes are a function of their page hash (``page_pattern``), backs them up,
@@ -116,12 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="source")
     parser.add_argument("--token-file")
     parser.add_argument("--lease-ms", type=int, default=10_000)
+    parser.add_argument("--transport", default="nixl", help="the data plane: nixl or ucx")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     token = Path(args.token_file).read_bytes().strip() if args.token_file else None
     timing = Timing(lease_s=args.lease_ms / 1000, lease_margin_s=min(0.5, args.lease_ms / 4000))
     # Twice the pages it holds: a peer may lease at most half of a pool (the owner keeps room to back up).
-    node = build_node(args.name, args.port, args.page_bytes, 2 * args.pages, token=token, timing=timing)
+    node = build_node(
+        args.name, args.port, args.page_bytes, 2 * args.pages, token=token, timing=timing, transport=args.transport
+    )
     pool = bench_pool(args.page_bytes)
     host = HostPool.allocate(MmapHostMemory(), pool, args.pages)
     node.register_host_pool("kv", host.regions)

@@ -17,14 +17,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
 
 from kvcr.adapters.nixl import NixlDataPlane
 from kvcr.domain.layout import RegionDescriptor
-from kvcr.testing.processes import stop_process
+from kvcr.testing.processes import stop_process, wait_until_stopped
 
 LOOPBACK = {"ucx_devices": "lo"}
 REPO = Path(__file__).resolve().parents[2]
@@ -85,10 +84,7 @@ class FrozenSource:
 
     def freeze(self):
         os.kill(self.proc.pid, signal.SIGSTOP)
-        # The signal is asynchronous: a READ posted before every thread stopped could be answered.
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not _stopped(self.proc.pid):
-            time.sleep(0.002)
+        wait_until_stopped(self.proc.pid)  # a READ posted before every thread stopped could be answered
 
     def resume(self):
         os.kill(self.proc.pid, signal.SIGCONT)
@@ -99,14 +95,6 @@ class FrozenSource:
         stop_process(self.proc, grace_s=20)
 
 
-def _stopped(pid):
-    states = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/stat") as stat:
-            states.append(stat.read().rsplit(")", 1)[1].split()[0])
-    return bool(states) and all(state in "Tt" for state in states)
-
-
 @contextlib.contextmanager
 def tcp_target(name):
     """A target data plane whose UCX may only use tcp (so its READs need the source to answer)."""
@@ -114,6 +102,7 @@ def tcp_target(name):
     os.environ["UCX_TLS"] = "tcp"
     try:
         plane = NixlDataPlane(name, backend_params=LOOPBACK)
+        assert plane.transport_report is not None  # the probe must run under the same UCX_TLS as the plane's agent
     finally:
         if before is None:
             del os.environ["UCX_TLS"]

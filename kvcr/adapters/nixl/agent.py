@@ -88,11 +88,21 @@ _probe_lock = threading.Lock()
 _probe_reports: dict[tuple[object, ...], ZeroCopyReport] = {}
 
 
-def transport_report(params: dict[str, str]) -> ZeroCopyReport:
-    """One zero-copy probe per process and transport setting: UCX's choice does not change in between."""
+def ucx_environment() -> tuple[str | None, str | None]:
+    """The UCX settings an agent built now reads from the environment (they are read at build time)."""
+    return os.environ.get("UCX_TLS"), os.environ.get("UCX_NET_DEVICES")
+
+
+def transport_report(params: dict[str, str], environment: tuple[str | None, str | None]) -> ZeroCopyReport:
+    """One zero-copy probe per process and transport setting: UCX's choice does not change in between.
+
+    ``environment`` is :func:`ucx_environment` as it was when the asking agent was built: the probe
+    answers for that agent even if the environment changed since (tests narrow ``UCX_TLS`` only
+    while they build one agent; the probe must then have run before they widen it again).
+    """
     from kvcr.adapters.nixl.probe import check_zero_copy
 
-    key = (tuple(sorted(params.items())), os.environ.get("UCX_TLS"), os.environ.get("UCX_NET_DEVICES"))
+    key = (tuple(sorted(params.items())), *environment)
     with _probe_lock:
         report = _probe_reports.get(key)
         if report is None:

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvcr.adapters.nixl import wire
-from kvcr.adapters.nixl.agent import build_agent, transport_report
+from kvcr.adapters.nixl.agent import build_agent, transport_report, ucx_environment
 from kvcr.adapters.nixl.wire import Description, Extent
 from kvcr.domain.errors import KvcrError
 from kvcr.domain.layout import PieceRun, RegionDescriptor
@@ -155,6 +155,7 @@ class NixlDataPlane:
         self._incarnation = os.urandom(8)
         self._host = wire.host_identity()
         self.metadata_loads = 0  # add_remote_agent calls, for observability and tests
+        self._ucx_environment = ucx_environment()  # what the agent's UCX was built with
         self._agent, self._np, self._peer_errors = build_agent(name, self._params, progress_wake_s)
         # The beacon peers read to wire up and to learn how our reads complete; scratch slots are
         # where our own such reads land (a slot is reused only after its READ has ended).
@@ -170,7 +171,9 @@ class NixlDataPlane:
         # The zero-copy probe takes a moment: begin it now so the first connect (on an engine's
         # first hit query) does not wait for it.
         params = dict(self._params)
-        threading.Thread(target=transport_report, args=(params,), name="kvcr-nixl-probe", daemon=True).start()
+        threading.Thread(
+            target=transport_report, args=(params, self._ucx_environment), name="kvcr-nixl-probe", daemon=True
+        ).start()
 
     @property
     def name(self) -> str:
@@ -179,7 +182,7 @@ class NixlDataPlane:
     @property
     def transport_report(self) -> ZeroCopyReport:
         """Whether UCX has a zero-copy path here (measured once per process and setting, on first use)."""
-        return transport_report(self._params)
+        return transport_report(self._params, self._ucx_environment)
 
     @property
     def live_transfers(self) -> int:

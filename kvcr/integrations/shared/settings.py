@@ -21,7 +21,7 @@ from kvcr.domain.hints import Endpoint
 from kvcr.domain.units import parse_byte_size
 from kvcr.runner.peer_client import LANDINGS
 
-TRANSPORTS = ("nixl", "mock")
+TRANSPORTS = ("nixl", "ucx", "mock")
 MIN_TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 4096
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcr.domain.layout import RegionDescriptor
-from kvcr.testing.processes import stop_process
+from kvcr.testing.processes import stop_process, wait_until_stopped
 
 LOOPBACK = {"ucx_devices": "lo"}  # keep UCX's sockets on lo
 REPO = Path(__file__).resolve().parents[3]
@@ -96,17 +96,7 @@ class Child:
     def signal(self, sig):
         os.kill(self.pid, sig)
         if sig == signal.SIGSTOP:  # the signal is asynchronous: wait until every thread is stopped
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and not self._stopped():
-                time.sleep(0.002)
-
-    def _stopped(self):
-        tasks = f"/proc/{self.pid}/task"
-        states = []
-        for task in os.listdir(tasks):
-            with contextlib.suppress(OSError), open(f"{tasks}/{task}/stat") as stat:
-                states.append(stat.read().rsplit(")", 1)[1].split()[0])
-        return bool(states) and all(state in "Tt" for state in states)
+            wait_until_stopped(self.pid)
 
     def close(self):
         if self.proc.poll() is None:

@@ -54,6 +54,7 @@ def nodes():
         container = build_container(config, node=settings, transport="nixl", control="mock", memory="mock")
         container.fabric.override(fabric)
         plane = NixlDataPlane(name, backend_params=LOOPBACK)
+        assert plane.transport_report is not None  # probed under the UCX_TLS the agent was built with
         container.data_plane.override(plane)
         node = container.node()
         node.plane = plane

@@ -1,4 +1,7 @@
-"""Peer restore between processes over real NIXL (UCX on loopback) and the ZMQ control channel."""
+"""Peer restore between processes over real NIXL (UCX on loopback) and the ZMQ control channel.
+
+The tests parametrized by ``transport`` also run with the UCX data plane (ucxx) on both sides.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +38,14 @@ TIMING = Timing(operation_s=3.0, abandon_s=6.0, control_s=1.0, lease_s=8.0, leas
 class Source:
     """A kvcr replica in another process, holding ``pages`` known pages."""
 
-    def __init__(self, pages: int, page_bytes: int = PAGE, token_file: str | None = None, port: int | None = None):
+    def __init__(
+        self,
+        pages: int,
+        page_bytes: int = PAGE,
+        token_file: str | None = None,
+        port: int | None = None,
+        transport: str = "nixl",
+    ):
         self.port = port or free_port()
         cmd = [
             sys.executable,
@@ -49,6 +59,8 @@ class Source:
             str(page_bytes),
             "--name",
             f"source-{self.port}-{time.monotonic_ns()}",
+            "--transport",
+            transport,
         ]
         if token_file:
             cmd += ["--token-file", token_file]
@@ -98,8 +110,11 @@ def sources():
 def target():
     made = []
 
-    def make(page_bytes: int = PAGE, slots: int = 8, token: bytes | None = None, pages: int = 256):
-        node = build_node(f"target-{time.monotonic_ns()}", free_port(), page_bytes, slots, token=token, timing=TIMING)
+    def make(
+        page_bytes: int = PAGE, slots: int = 8, token: bytes | None = None, pages: int = 256, transport: str = "nixl"
+    ):
+        name = f"target-{time.monotonic_ns()}"
+        node = build_node(name, free_port(), page_bytes, slots, token=token, timing=TIMING, transport=transport)
         host = HostPool.allocate(MmapHostMemory(), bench_pool(page_bytes), pages)
         node.register_host_pool("kv", host.regions)
         made.append((node, host))
@@ -111,13 +126,17 @@ def target():
         host.free()
 
 
+TRANSPORTS = ["nixl", pytest.param("ucx", marks=pytest.mark.ucx)]
+
+
 def outcomes(result):
     return [o.outcome for o in result["kv"]]
 
 
-def test_target_process_restores_source_pages_byte_equal(sources, target):
-    source = sources(64)
-    node, host = target()
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_target_process_restores_source_pages_byte_equal(sources, target, transport):
+    source = sources(64, transport=transport)
+    node, host = target(transport=transport)
     keys = source.keys
     result = node.client.restore(source.endpoint, [PoolRead("kv", keys, list(range(100, 164)))])
     assert outcomes(result) == [Outcome.RESTORED] * 64
@@ -153,9 +172,10 @@ def test_kill_9_mid_restore_gives_misses_within_the_deadline_and_a_restarted_sou
     assert host.read(3) == page_pattern(reborn.keys[3], 8 << 20)
 
 
-def test_kill_9_between_lease_and_read(sources, target):
-    source = sources(8)
-    node, _ = target()
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_kill_9_between_lease_and_read(sources, target, transport):
+    source = sources(8, transport=transport)
+    node, _ = target(transport=transport)
     lease = node.client.lease(source.endpoint, [("kv", source.keys)])
     assert lease is not None
     source.kill()
@@ -208,7 +228,8 @@ def test_without_the_token_a_peer_gets_nothing_and_another_version_is_refused(so
         member.close()
 
 
-def test_the_remote_benchmark_command_runs_and_verifies_bytes(tmp_path, capsys):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_remote_benchmark_command_runs_and_verifies_bytes(tmp_path, capsys, transport):
     from kvcr.cli import main
 
     out = tmp_path / "remote.json"
@@ -226,8 +247,10 @@ def test_the_remote_benchmark_command_runs_and_verifies_bytes(tmp_path, capsys):
         str(port),
         "--json",
         str(out),
+        "--transport",
+        transport,
     ]
     assert main(args) == 0
     assert "raw NIXL READ" in capsys.readouterr().out
     [result] = json.loads(out.read_text())
-    assert result["verified"] is True and result["pages"] == 8
+    assert result["verified"] is True and result["pages"] == 8 and result["transport"] == transport
