@@ -79,6 +79,14 @@ def _batches(text: str) -> list[int]:
     return batches
 
 
+def _transports(text: str) -> list[str]:
+    transports = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in transports if t not in ("nixl", "ucx")]
+    if not transports or unknown:
+        raise KvcrError(f"--transport: give nixl, ucx or both (nixl,ucx), got {text!r}")
+    return list(dict.fromkeys(transports))
+
+
 class _Progress:
     """``[i/n] what ... done in Xs`` on stderr, so a long run shows where it is."""
 
@@ -151,14 +159,16 @@ def _measure_remote(args: argparse.Namespace, progress: _Progress) -> list[Any]:
 
     batches = _batches(args.batches)
     results: list[Any] = []
+    transports = _transports(args.transport)
     for i, size in enumerate(_sizes(args.page_sizes)):
-        port = args.port + 10 * i if args.port else None
-        results.extend(
-            progress.step(
-                f"remote: {format_byte_size(size)} pages, batches {args.batches}",
-                partial(run_remote, size, batches, args.reps, port=port, transport=args.transport),
+        for j, transport in enumerate(transports):
+            port = args.port + 10 * (i * len(transports) + j) if args.port else None
+            results.extend(
+                progress.step(
+                    f"remote: {format_byte_size(size)} pages over {transport}, batches {args.batches}",
+                    partial(run_remote, size, batches, args.reps, port=port, transport=transport),
+                )
             )
-        )
     return results
 
 
@@ -191,7 +201,7 @@ def _bench_remote(args: argparse.Namespace) -> int:
     from kvcr.bench.plot import plot_remote
     from kvcr.bench.remote import as_dict, remote_table
 
-    results = _measure_remote(args, _Progress(len(_sizes(args.page_sizes))))
+    results = _measure_remote(args, _Progress(len(_sizes(args.page_sizes)) * len(_transports(args.transport))))
     print(remote_table(results))
     _write(args, [as_dict(r) for r in results], lambda png: plot_remote(results, png))
     return 0
@@ -207,13 +217,13 @@ def _bench_all(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     defaults = build_parser().parse_args(["bench", "local"]), build_parser().parse_args(["bench", "sglang"])
     local_args, sglang_args = defaults
-    remote_args = build_parser().parse_args(["bench", "remote"])
+    remote_args = build_parser().parse_args(["bench", "remote", "--transport", "nixl,ucx"])
     for one in (local_args, sglang_args, remote_args):
         one.reps = max(1, round(one.reps * args.reps_scale))
     progress = _Progress(
         len(_sizes(local_args.page_sizes))
         + 2 * len(_sizes(sglang_args.page_sizes))
-        + len(_sizes(remote_args.page_sizes))
+        + len(_sizes(remote_args.page_sizes)) * len(_transports(remote_args.transport))
     )
     results = BenchSet()
     results.local = _measure_local(local_args, progress)
@@ -316,6 +326,7 @@ def _demo(args: argparse.Namespace) -> int:
         plot=args.plot,
         workdir=args.workdir,
         quiet=args.quiet,
+        transport=args.transport,
     )
     return run_cluster_demo(options)
 
@@ -351,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default=None, help="keep the processes' logs and reports here")
     demo.add_argument("--quiet", action="store_true", help="print only failures and the final table")
     demo.add_argument(
+        "--transport", choices=("nixl", "ucx"), default="nixl", help="the workers' data plane for peer reads"
+    )
+    demo.add_argument(
         "--local-only", action="store_true", help="the single-process demo instead: one runner's local tier"
     )
     demo.set_defaults(func=_demo)
@@ -384,9 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument("--port", type=_port, default=0, help="first of the loopback ports to use (0: free ones)")
     remote.add_argument(
         "--transport",
-        choices=("nixl", "ucx"),
         default="nixl",
-        help="kvcr's data plane for read and restore (the baseline stays a raw NIXL READ)",
+        help="kvcr's data plane for read and restore: nixl, ucx or nixl,ucx (the baseline is always a raw NIXL READ)",
     )
     _json_option(remote, "bench-results/remote.json")
     remote.set_defaults(func=_bench_remote)

@@ -70,17 +70,24 @@ def plot_local(results: Sequence[Any], path: Path) -> Path:
 
 
 def plot_remote(results: Sequence[Any], path: Path) -> Path:
-    """``kvcr bench remote``: one line per path and batch size; kvcr over raw NIXL on the right."""
-    figure, (speed, ratio) = _axes("kvcr peer restore over NIXL (source in another process)")
-    for batch in sorted({r.pages for r in results}):
-        rows = sorted((r for r in results if r.pages == batch), key=lambda r: r.page_bytes)
-        sizes = [r.page_bytes for r in rows]
-        tag = f"x{batch}"
-        _line(speed, sizes, [r.gbps(r.memcpy_p50_ms) for r in rows], f"memcpy {tag}", "--s")
-        _line(speed, sizes, [r.gbps(r.raw_p50_ms) for r in rows], f"raw NIXL READ {tag}", ":^")
-        _line(speed, sizes, [r.gbps(r.restore_p50_ms) for r in rows], f"kvcr restore {tag}")
-        _line(ratio, sizes, [r.read_vs_raw for r in rows], f"leased read / raw {tag}", ":o")
-        _line(ratio, sizes, [r.restore_vs_raw for r in rows], f"restore / raw {tag}")
+    """``kvcr bench remote``: one line per path, transport and batch size; kvcr over raw NIXL on the right."""
+    figure, (speed, ratio) = _axes("kvcr peer restore (source in another process)")
+    transports = list(dict.fromkeys(getattr(r, "transport", "nixl") for r in results))
+    for transport in transports:
+        for batch in sorted({r.pages for r in results}):
+            rows = sorted(
+                (r for r in results if r.pages == batch and getattr(r, "transport", "nixl") == transport),
+                key=lambda r: r.page_bytes,
+            )
+            sizes = [r.page_bytes for r in rows]
+            tag = f"x{batch}"
+            kvcr = f"kvcr over {transport}" if len(transports) > 1 else "kvcr"
+            if transport == transports[0]:  # memcpy and raw NIXL are the same for every transport
+                _line(speed, sizes, [r.gbps(r.memcpy_p50_ms) for r in rows], f"memcpy {tag}", "--s")
+                _line(speed, sizes, [r.gbps(r.raw_p50_ms) for r in rows], f"raw NIXL READ {tag}", ":^")
+            _line(speed, sizes, [r.gbps(r.restore_p50_ms) for r in rows], f"{kvcr} restore {tag}")
+            _line(ratio, sizes, [r.read_vs_raw for r in rows], f"{kvcr} leased read / raw {tag}", ":o")
+            _line(ratio, sizes, [r.restore_vs_raw for r in rows], f"{kvcr} restore / raw {tag}")
     all_sizes = sorted({r.page_bytes for r in results})
     _page_axis(speed, all_sizes, "GB/s (p50)")
     ratio.axhline(1.0, color="grey", linewidth=0.8)
@@ -121,7 +128,10 @@ def plot_overview(local: Sequence[Any], remote: Sequence[Any], path: Path) -> Pa
     _line(ratio, sizes, [r.restore_ratio for r in local], "local restore / memcpy")
     if remote:
         batch = max(r.pages for r in remote)
-        rows = sorted((r for r in remote if r.pages == batch), key=lambda r: r.page_bytes)
+        rows = sorted(
+            (r for r in remote if r.pages == batch and getattr(r, "transport", "nixl") == "nixl"),
+            key=lambda r: r.page_bytes,
+        )
         remote_sizes = [r.page_bytes for r in rows]
         _line(speed, remote_sizes, [r.gbps(r.raw_p50_ms) for r in rows], f"raw NIXL READ (x{batch})", ":^")
         _line(speed, remote_sizes, [r.gbps(r.restore_p50_ms) for r in rows], f"kvcr remote restore (x{batch})")

@@ -76,8 +76,16 @@ def tables(results: BenchSet, figure: str | None) -> str:
     if figure:
         parts.append(f"![kvcr restore throughput against page size]({figure})")
     if results.remote:
+        transports = sorted({getattr(r, "transport", "nixl") for r in results.remote})
+        over = ",".join(transports)
+        marked = (
+            " rows marked (ucx) use kvcr's UCX data plane on both sides, the others NIXL."
+            if "ucx" in transports
+            else ""
+        )
         parts.append(
-            "**Peer restore over NIXL** (`kvcr bench remote`): the source replica runs in another process. "
+            f"**Peer restore** (`kvcr bench remote --transport {over}`): the source replica runs in another "
+            f"process.{marked} "
             '"raw" is a bare NIXL agent reading the very same pieces with prepared lists; "read" is kvcr\'s '
             'leased read (what the SGLang backend does at prefetch time); "restore" is LEASE + READ + RELEASE.'
         )

@@ -46,6 +46,7 @@ class DemoOptions:
     reply_tokens: int = 16
     token_delay_ms: float = 20.0
     stagger_s: float = 0.15
+    transport: str = "nixl"
 
     @property
     def conversation_count(self) -> int:
@@ -180,7 +181,8 @@ def run_cluster_demo(options: DemoOptions) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    console = Console(quiet=options.quiet)
+    console = Console(quiet=options.quiet)  # progress and start-up lines
+    results = Console()  # failures, the tables and the verdict: printed even with --quiet
     total = options.conversation_count * options.turns
     started = time.monotonic()
     with ExitStack() as stack:
@@ -197,6 +199,7 @@ def run_cluster_demo(options: DemoOptions) -> int:
                         dram="256MiB",
                         max_tokens=options.reply_tokens,
                         token_delay_ms=options.token_delay_ms,
+                        transport=options.transport,
                     )
                 )
                 for i in range(options.workers)
@@ -204,10 +207,10 @@ def run_cluster_demo(options: DemoOptions) -> int:
             try:
                 deployment.wait_ready(workers)
             except DeploymentError as exc:
-                console.print(f"[red]kvcr demo: {exc}[/red]")
+                results.print(f"[red]kvcr demo: {exc}[/red]")
                 return 1
         console.print(
-            f"frontend {deployment.url} (router-mode kv), {options.workers} workers, "
+            f"frontend {deployment.url} (router-mode kv), {options.workers} workers over {options.transport}, "
             f"{options.page_kib} KiB pages of {PAGE_TOKENS} tokens; ready after {time.monotonic() - started:.0f} s"
         )
         progress = Progress(
@@ -229,14 +232,14 @@ def run_cluster_demo(options: DemoOptions) -> int:
         records = sorted(deployment.records(), key=lambda r: float(r.get("time", 0.0)))
         summary = summarize(records, workload.replies, failed=total - len(workload.replies))
         for error in workload.errors[:5]:
-            console.print(f"[red]{error}[/red]")
-        console.print(_table(summary, options))
-        console.print(_per_worker(records))
+            results.print(f"[red]{error}[/red]")
+        results.print(_table(summary, options))
+        results.print(_per_worker(records))
         if options.plot:
             _plot(records, Path(options.plot))
             console.print(f"plot written to {options.plot}")
     verdict = _verdict(summary)
-    console.print(verdict)
+    results.print(verdict)
     return 0 if summary.ok else 1
 
 

@@ -85,6 +85,7 @@ class WorkerSpec:
     token_delay_ms: float = 0.0
     queue_delay_ms: float = 0.0
     operation_timeout_ms: int = 2000
+    transport: str = "nixl"
     extra_args: tuple[str, ...] = ()
 
 
@@ -207,6 +208,8 @@ class Deployment:
             str(spec.operation_timeout_ms),
             "--report",
             str(report),
+            "--transport",
+            spec.transport,
             *(() if spec.hint_capability else ("--no-hint-capability",)),
             *spec.extra_args,
         ]

@@ -118,7 +118,7 @@ def storage_extra_config(settings: WorkerSettings) -> dict[str, Any]:
         "class_name": "KvcrHiCacheStorage",
         "interface_v1": 1,
         "hicache_storage_pass_prefix_keys": True,
-        "transport": "nixl",
+        "transport": settings.transport,
         "dram_bytes": settings.dram_bytes,
         "control_host": settings.host,
         "control_port": settings.control_port,

@@ -39,6 +39,7 @@ class WorkerSettings:
     queue_delay_s: float = 0.0
     operation_timeout_ms: int = 2000
     report: str | None = None
+    transport: str = "nixl"
 
     @property
     def layers(self) -> int:
@@ -84,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-delay-ms", type=float, default=0.0, help="time a request waits before its storage prefetch")
     p.add_argument("--operation-timeout-ms", type=int, default=2000, help="kvcr peer operation timeout")
     p.add_argument("--report", default=None, help="append one JSON line per request to this file")
+    p.add_argument(
+        "--transport",
+        choices=("nixl", "ucx"),
+        default="nixl",
+        help="kvcr's data plane for peer reads (every worker alike)",
+    )
     return p
 
 
@@ -133,4 +140,5 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerSettings:
         queue_delay_s=args.queue_delay_ms / 1000,
         operation_timeout_ms=args.operation_timeout_ms,
         report=args.report,
+        transport=args.transport,
     )
