@@ -7,7 +7,9 @@ with 2N pages) and a runner whose arena holds exactly N pages, then interleaves,
 * backup   — N fresh pages into kvcr DRAM (from the second repetition on, every backup also
              evicts N pages, so this is the steady state of a full tier);
 * restore  — the same N pages back into other host slots;
-* query    — a query of those N keys (reported as a median time).
+* query    — a query of those N keys (reported as a median time);
+* verified backup / restore — the same on a second runner with ``verify_bytes`` on (a digest per
+  page at backup, checked at restore): what turning integrity checks on costs, same run.
 
 Every restore is checked byte for byte once per page size. Ratios are p50 throughput of the kvcr
 path over p50 throughput of memcpy in the same run.
@@ -45,18 +47,23 @@ class LocalResult:
     restore_p50_ms: float
     query_p50_us: float
     verified: bool
+    verify_backup_ratio: float = 0.0  # backup throughput with verify_bytes on / without, same run
+    verify_restore_ratio: float = 0.0
 
 
 def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
     half = page_bytes // 2
     pool = PoolSpec("kv", (ComponentSpec("k", half), ComponentSpec("v", page_bytes - half)), anchor=True)
-    config = RunnerConfig(
-        "bench", NamespaceSpec("bench", 64, "bf16", "page_first"), (pool,), dram_bytes=pages * page_bytes
-    )
     memory = MmapHostMemory()
-    runner = KvcrRunner(
-        config, memory=memory, clock=MonotonicClock(), metrics=InMemoryMetrics(), inventory=NullInventory()
-    )
+
+    def make_runner(verify_bytes: bool) -> KvcrRunner:
+        namespace = NamespaceSpec("bench", 64, "bf16", "page_first")
+        config = RunnerConfig("bench", namespace, (pool,), dram_bytes=pages * page_bytes, verify_bytes=verify_bytes)
+        return KvcrRunner(
+            config, memory=memory, clock=MonotonicClock(), metrics=InMemoryMetrics(), inventory=NullInventory()
+        )
+
+    runner, checking = make_runner(False), make_runner(True)
     host_pages = 2 * pages
     host = memory.allocate(host_pages * page_bytes, "bench/host")
     baseline_dst = memory.allocate(pages * page_bytes, "bench/baseline")
@@ -68,6 +75,7 @@ def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
             regions.append(RegionDescriptor(component.label, host.address + offset, size, host_pages, size))
             offset += size * host_pages
         runner.register_host_pool("kv", regions)
+        checking.register_host_pool("kv", regions)
         ctypes.memmove(host.address, os.urandom(host.nbytes), host.nbytes)
         src_slots = list(range(pages))
         dst_slots = list(range(pages, 2 * pages))
@@ -78,7 +86,7 @@ def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
             baseline.append(Move(baseline_dst.address + dst_offset, r.base, n))
             dst_offset += n
 
-        memcpy_s, backup_s, restore_s, query_s = [], [], [], []
+        memcpy_s, backup_s, restore_s, query_s, checked_backup_s, checked_restore_s = [], [], [], [], [], []
         verified = False
         for rep in range(reps + 1):  # repetition 0 warms up and is not counted
             keys = page_hashes(list(range(rep * pages * 4, (rep + 1) * pages * 4)), 4)
@@ -91,7 +99,11 @@ def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
             t3 = time.perf_counter()
             runner.query("kv", keys)
             t4 = time.perf_counter()
-            if not all(stored) or not all(o.restored for o in outcomes):
+            checked_stored = checking.backup("kv", keys, src_slots)
+            t5 = time.perf_counter()
+            checked = checking.restore("kv", keys, dst_slots)
+            t6 = time.perf_counter()
+            if not all([*stored, *checked_stored]) or not all(o.restored for o in [*outcomes, *checked]):
                 raise RuntimeError("benchmark pages were not all stored and restored")
             if not verified:
                 verified = all(
@@ -106,6 +118,8 @@ def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
                 backup_s.append(t2 - t1)
                 restore_s.append(t3 - t2)
                 query_s.append(t4 - t3)
+                checked_backup_s.append(t5 - t4)
+                checked_restore_s.append(t6 - t5)
         nbytes = pages * page_bytes
         memcpy_t, backup_t, restore_t = timing(memcpy_s), timing(backup_s), timing(restore_s)
         return LocalResult(
@@ -122,9 +136,12 @@ def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
             restore_p50_ms=restore_t.p50 * 1e3,
             query_p50_us=timing(query_s).p50 * 1e6,
             verified=verified,
+            verify_backup_ratio=backup_t.p50 / timing(checked_backup_s).p50,
+            verify_restore_ratio=restore_t.p50 / timing(checked_restore_s).p50,
         )
     finally:
         runner.close()
+        checking.close()
         memory.free(host)
         memory.free(baseline_dst)
 
@@ -139,6 +156,7 @@ def local_table(results: list[LocalResult]) -> str:
             f"{r.backup_ratio:.2f}x",
             f"{r.restore_ratio:.2f}x",
             f"{r.query_p50_us:.0f}",
+            f"{r.verify_backup_ratio:.2f}x / {r.verify_restore_ratio:.2f}x" if r.verify_backup_ratio else "-",
         ]
         for r in results
     ]
@@ -150,6 +168,7 @@ def local_table(results: list[LocalResult]) -> str:
         "backup vs memcpy",
         "restore vs memcpy",
         f"query of {results[0].pages} keys, µs" if results else "query µs",
+        "with verify_bytes: backup / restore vs without",
     ]
     return markdown_table(header, rows)
 

@@ -10,6 +10,8 @@ pool. Per page size and batch (pages 0..batch-1), interleaved repetition by repe
 * ``read``     kvcr's ``PeerClient.read`` under a lease taken beforehand (what the SGLang backend
                does at prefetch time: it leased at hit-query time);
 * ``restore``  kvcr's whole ``PeerClient.restore``: LEASE round trip, READ, RELEASE;
+* ``checked``  the same restore by a second target node with ``verify_bytes`` on: every page's
+               digest, taken by the source at backup, is checked after the read (its cost, same run);
 * ``memcpy``   a memmove of the same byte count between two buffers of this process.
 
 Every kvcr read is checked byte for byte against the source's known page contents once per
@@ -59,6 +61,8 @@ class RemoteResult:
     raw_vs_memcpy: float
     verified: bool
     transport: str = "nixl"
+    checked_restore_p50_ms: float = 0.0  # the restore with verify_bytes on
+    verify_cost: float = 0.0  # restore time with verify_bytes on / without, same run
 
     def gbps(self, ms: float) -> float:
         return self.pages * self.page_bytes / (ms / 1e3) / 1e9
@@ -103,6 +107,7 @@ def source_replica(
             "60000",
             "--transport",
             transport,
+            "--verify-bytes",  # digests at backup, so a verifying target can check them
         ]
     )
 
@@ -192,10 +197,10 @@ class RawReader:
 def run_remote(
     page_bytes: int, batches: list[int], reps: int, port: int | None = None, transport: str = "nixl"
 ) -> list[RemoteResult]:
-    """Measure every batch for one page size over ``transport``; ``port`` starts a block of 4 (free
+    """Measure every batch for one page size over ``transport``; ``port`` starts a block of 5 (free
     ones by default). The baseline is always a raw NIXL READ: with another transport a second source
     replica, over NIXL and holding the same pages, serves it."""
-    port = port or free_port_block(4)
+    port = port or free_port_block(5)
     pool = bench_pool(page_bytes)
     runner_timing = deadlines.Timing(operation_s=30.0, abandon_s=60.0, lease_s=60.0, lease_margin_s=1.0)
     results = []
@@ -207,10 +212,21 @@ def run_remote(
         node = build_node(
             f"bench-target-{os.getpid()}-{port}", port + 1, page_bytes, 4, timing=runner_timing, transport=transport
         )
+        checking = build_node(
+            f"bench-checking-{os.getpid()}-{port}",
+            port + 4,
+            page_bytes,
+            4,
+            timing=runner_timing,
+            transport=transport,
+            verify_bytes=True,
+        )
+        stack.callback(checking.close)
         memory = MmapHostMemory()
         host = HostPool.allocate(memory, pool, SOURCE_PAGES)
         scratch = memory.allocate(SOURCE_PAGES * page_bytes, "bench/memcpy")
         node.register_host_pool("kv", host.regions)
+        checking.register_host_pool("kv", host.regions)
         keys: list[str] = info["keys"]
         endpoint: str = kvcr_source["endpoint"]
         try:
@@ -228,7 +244,7 @@ def run_remote(
             )
             try:
                 for batch in batches:
-                    result = _measure(node, raw, lease, host, scratch, keys[:batch], endpoint, reps)
+                    result = _measure(node, checking, raw, lease, host, scratch, keys[:batch], endpoint, reps)
                     results.append(dataclasses.replace(result, transport=transport))
             finally:
                 raw.close()
@@ -241,7 +257,15 @@ def run_remote(
 
 
 def _measure(
-    node: Any, raw: RawReader, lease: Any, host: HostPool, scratch: Any, keys: list[str], endpoint: str, reps: int
+    node: Any,
+    checking: Any,
+    raw: RawReader,
+    lease: Any,
+    host: HostPool,
+    scratch: Any,
+    keys: list[str],
+    endpoint: str,
+    reps: int,
 ) -> RemoteResult:
     import ctypes
 
@@ -260,6 +284,10 @@ def _measure(
         if not all(o.restored for o in node.client.restore(endpoint, request)["kv"]):
             raise RuntimeError("a restore did not restore every page")
 
+    def checked_restore() -> None:
+        if not all(o.restored for o in checking.client.restore(endpoint, request)["kv"]):
+            raise RuntimeError("a restore with verify_bytes on did not restore every page")
+
     def memcpy() -> None:
         ctypes.memmove(scratch.address, host.allocation.address, nbytes)
 
@@ -272,6 +300,7 @@ def _measure(
         "raw": raw.read,
         "read": kvcr_read,
         "restore": kvcr_restore,
+        "checked": checked_restore,
         "memcpy": memcpy,
     }
     for call in calls.values():
@@ -297,6 +326,8 @@ def _measure(
         restore_vs_raw=t["raw"].p50 / t["restore"].p50,
         raw_vs_memcpy=t["memcpy"].p50 / t["raw"].p50,
         verified=verified,
+        checked_restore_p50_ms=t["checked"].p50 * 1e3,
+        verify_cost=t["checked"].p50 / t["restore"].p50,
     )
 
 
@@ -311,6 +342,7 @@ def remote_table(results: list[RemoteResult]) -> str:
             f"{r.read_vs_raw:.2f}x",
             f"{r.restore_vs_raw:.2f}x",
             f"{r.read_p99_ms:.2f} / {r.restore_p99_ms:.2f}",
+            f"{r.checked_restore_p50_ms:.2f} ({r.verify_cost:.2f}x)" if r.verify_cost else "-",
         ]
         for r in results
     ]
@@ -323,6 +355,7 @@ def remote_table(results: list[RemoteResult]) -> str:
         "read vs raw",
         "restore vs raw",
         "p99 read / restore ms",
+        "restore with verify_bytes ms (x without)",
     ]
     return markdown_table(header, rows)
 

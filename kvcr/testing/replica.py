@@ -117,13 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-file")
     parser.add_argument("--lease-ms", type=int, default=10_000)
     parser.add_argument("--transport", default="nixl", help="the data plane: nixl or ucx")
+    parser.add_argument("--verify-bytes", action="store_true", help="digest pages at backup (targets may check)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     token = Path(args.token_file).read_bytes().strip() if args.token_file else None
     timing = Timing(lease_s=args.lease_ms / 1000, lease_margin_s=min(0.5, args.lease_ms / 4000))
     # Twice the pages it holds: a peer may lease at most half of a pool (the owner keeps room to back up).
     node = build_node(
-        args.name, args.port, args.page_bytes, 2 * args.pages, token=token, timing=timing, transport=args.transport
+        args.name,
+        args.port,
+        args.page_bytes,
+        2 * args.pages,
+        token=token,
+        timing=timing,
+        transport=args.transport,
+        verify_bytes=args.verify_bytes,
     )
     pool = bench_pool(args.page_bytes)
     host = HostPool.allocate(MmapHostMemory(), pool, args.pages)

@@ -254,3 +254,4 @@ def test_the_remote_benchmark_command_runs_and_verifies_bytes(tmp_path, capsys, 
     assert "raw NIXL READ" in capsys.readouterr().out
     [result] = json.loads(out.read_text())
     assert result["verified"] is True and result["pages"] == 8 and result["transport"] == transport
+    assert result["checked_restore_p50_ms"] > 0 and result["verify_cost"] > 0  # verify_bytes on, same run
