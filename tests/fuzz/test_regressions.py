@@ -28,3 +28,45 @@ def test_a_refusal_never_echoes_a_malformed_nonce(source, nonce):
         reply = source.server.handle(protocol.encode(request))
         assert len(reply) < 64
         assert protocol.decode(reply) == Refused(b"", int(code))
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [{"regions": [1]}, {"regions": [1, 2, 3]}, {"regions": []}],
+)
+@pytest.mark.parametrize("landing", ["direct", "staged"])
+def test_a_pool_description_that_does_not_fit_our_pool_is_not_linked(lie, landing):
+    """A HELLO_REPLY listing one region for a two-component pool raised ValueError out of restore
+    (``zip(strict=True)`` while planning the read), and a staging target lost its staging buffers
+    for good (taken before the exception): every later restore was a miss."""
+    from kvcr.adapters.mock import MockControlChannel
+    from kvcr.domain.outcomes import Outcome
+    from kvcr.runner.peer_client import PeerSettings, PoolRead
+    from kvcr.runner.protocol import HelloReply
+    from tests.support import content, seed, sequence
+
+    cluster = Cluster()
+    try:
+        source, target = cluster.node("A"), cluster.node("B", peer=PeerSettings(landing=landing))
+        pages = sequence(2)
+        seed(source, pages, [0, 1])
+
+        def lying(frame):
+            reply = source.server.handle(frame)
+            if reply is not None and isinstance(message := protocol.decode(reply), HelloReply):
+                pools = [type(p)(**{**{f: getattr(p, f) for f in p.__struct_fields__}, **lie}) for p in message.pools]
+                fields = {f: getattr(message, f) for f in message.__struct_fields__}
+                reply = protocol.encode(HelloReply(**{**fields, "pools": pools}))
+            return reply
+
+        relay = MockControlChannel(cluster.fabric, "tcp://127.0.0.1:20999", cluster.clock)
+        relay.serve(lying)
+        for _ in range(8):  # more than the staging pool's buffers
+            result = target.client.restore(relay.endpoint, [PoolRead("kv", pages, [5, 6])])
+            assert [o.outcome for o in result["kv"]] == [Outcome.MISS, Outcome.MISS]
+            cluster.clock.advance(2)  # past the relay's retry pause
+        result = target.client.restore(source.endpoint, [PoolRead("kv", pages, [5, 6])])
+        assert [o.outcome for o in result["kv"]] == [Outcome.RESTORED] * 2
+        assert target.hosts["kv"].read_page(6) == content(pages[1], 512)
+    finally:
+        cluster.close()
