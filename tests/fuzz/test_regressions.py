@@ -70,3 +70,15 @@ def test_a_pool_description_that_does_not_fit_our_pool_is_not_linked(lie, landin
         assert target.hosts["kv"].read_page(6) == content(pages[1], 512)
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("path", ["/tmp/token\x00", "/tmp/token\ud800"])
+def test_an_unusable_token_path_is_a_config_error_naming_the_setting(path):
+    """A NUL byte (or an unencodable character) in auth_token_file raised ValueError from os.stat."""
+    from kvcr.domain.errors import ConfigError
+    from kvcr.integrations.shared.settings import parse_settings, read_token_file
+
+    with pytest.raises(ConfigError, match=r"auth_token_file .* is not a usable path"):
+        read_token_file(path)
+    with pytest.raises(ConfigError, match="auth_token_file"):
+        parse_settings({"auth_token_file": path}).token()

@@ -117,6 +117,8 @@ def read_token_file(path: str) -> bytes:
         info = os.stat(path)
     except OSError as exc:
         raise ConfigError(f"auth_token_file {path!r}: cannot read it: {exc.strerror}") from exc
+    except ValueError as exc:  # a NUL byte, or a character the file system encoding cannot hold
+        raise ConfigError(f"auth_token_file {path!r} is not a usable path") from exc
     if not stat.S_ISREG(info.st_mode):
         raise ConfigError(f"auth_token_file {path!r} is not a regular file")
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
