@@ -82,3 +82,15 @@ def test_an_unusable_token_path_is_a_config_error_naming_the_setting(path):
         read_token_file(path)
     with pytest.raises(ConfigError, match="auth_token_file"):
         parse_settings({"auth_token_file": path}).token()
+
+
+@pytest.mark.parametrize("rate", [float("nan"), float("inf")])
+def test_a_recompute_rate_that_is_not_a_finite_number_is_refused(rate):
+    """json.loads (how SGLang reads the extra config) accepts NaN and Infinity, and both were taken:
+    NaN silently turned the slower-than-recompute check off, Infinity made every remote read after
+    the first a miss."""
+    from kvcr.domain.errors import ConfigError
+    from kvcr.integrations.shared.settings import parse_settings
+
+    with pytest.raises(ConfigError, match="recompute_tokens_per_s"):
+        parse_settings({"recompute_tokens_per_s": rate})

@@ -8,6 +8,7 @@ with one line naming the key (a typo must not silently fall back to a default).
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import stat
 from collections.abc import Mapping
@@ -221,8 +222,9 @@ def _check(s: KvcrSettings) -> None:
     for key in ("read_batch_pages", "max_peer_links"):
         if not 0 < getattr(s, key) <= 1 << 16:
             raise ConfigError(f"{key} must be in 1..65536, got {getattr(s, key)}")
-    if s.recompute_tokens_per_s < 0:
-        raise ConfigError(f"recompute_tokens_per_s must not be negative, got {s.recompute_tokens_per_s}")
+    # JSON as SGLang reads it accepts NaN and Infinity: NaN would switch the check off, Infinity every remote read.
+    if not 0 <= s.recompute_tokens_per_s < math.inf:
+        raise ConfigError(f"recompute_tokens_per_s must be a finite number >= 0, got {s.recompute_tokens_per_s}")
     if s.landing not in LANDINGS:
         raise ConfigError(f"landing must be one of {', '.join(LANDINGS)}, got {_shown(s.landing)}")
     if s.policy not in POLICIES:
