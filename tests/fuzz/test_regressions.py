@@ -94,3 +94,19 @@ def test_a_recompute_rate_that_is_not_a_finite_number_is_refused(rate):
 
     with pytest.raises(ConfigError, match="recompute_tokens_per_s"):
         parse_settings({"recompute_tokens_per_s": rate})
+
+
+@pytest.mark.parametrize(
+    "key", ["control_port", "lease_ms", "read_batch_pages", "recompute_tokens_per_s", "dram_bytes"]
+)
+def test_an_integer_too_long_to_print_is_a_config_error_naming_the_setting(key):
+    """An int of over 4300 digits made building the error message raise ValueError (str() refuses it)."""
+    from kvcr.domain.errors import ConfigError
+    from kvcr.integrations.shared.settings import parse_settings
+
+    with pytest.raises(ConfigError, match=key):
+        parse_settings({key: -(10**5000)})
+    with pytest.raises(ConfigError, match="transport"):
+        parse_settings({"transport": [10**5000]})  # the wrong type, shown in the message
+    with pytest.raises(ConfigError, match="unknown kvcr setting"):
+        parse_settings({10**5000: 1})

@@ -181,11 +181,14 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> KvcrSettings:
         expected = _TYPES.get(key)
         if expected is None:
             known = sorted([*_TYPES, "dram_bytes"])
-            raise ConfigError(f"unknown kvcr setting {key!r}; known settings: {', '.join(known)}")
+            raise ConfigError(f"unknown kvcr setting {_shown(key)}; known settings: {', '.join(known)}")
         # bool is an int subclass: refuse True for an int setting and 1 for a bool one.
         if isinstance(value, bool) != (bool in expected) or not isinstance(value, expected):
             names = " or ".join("null" if t is type(None) else t.__name__ for t in expected)
             raise ConfigError(f"kvcr setting {key!r} must be {names}, got {_shown(value)}")
+        if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+            # Also keeps every message below printable: str() refuses integers of over 4300 digits.
+            raise ConfigError(f"kvcr setting {key!r} is out of range (an integer of {value.bit_length()} bits)")
         if isinstance(value, list):
             value = _strings(key, value)
         values[key] = value
@@ -195,7 +198,10 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> KvcrSettings:
 
 
 def _shown(value: object) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of over 4300 digits (in it) has no repr
+        return f"a {type(value).__name__} too large to show"
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
