@@ -76,6 +76,7 @@ class Model:
     """What the server has seen, as far as a client on the wire can know it."""
 
     sessions: list[int] = field(default_factory=list)
+    session_ids: set[int] = field(default_factory=set)
     nonces: list[bytes] = field(default_factory=list)
     lease_nonces: set[tuple[int, bytes]] = field(default_factory=set)  # (session, nonce) the server holds
     hello_nonces: set[bytes] = field(default_factory=set)
@@ -94,6 +95,7 @@ class PeerUnderFire:
         seed(self.a, self.pages, range(PAGES))
         self.model = Model()
         self.recorded: list[bytes] = []  # requests legitimate clients sent
+        self.recorded_by_kind: dict[type, list[bytes]] = {Hello: [], Lease: [], Release: []}
         self.replies: list[bytes] = []  # replies they got
         self.arena_slot: dict[str, int] = {}
         self.namespaces = dict(self.a.runner.namespaces)
@@ -114,17 +116,21 @@ class PeerUnderFire:
         def recording_request(endpoint, payload, timeout_s):
             reply = request(endpoint, payload, timeout_s)
             if endpoint == self.a.endpoint:
-                self.recorded.append(bytes(payload))
+                self._keep(bytes(payload))
                 self.replies.append(bytes(reply))
                 self._learn(bytes(payload), bytes(reply))
             return reply
 
         def recording_send(endpoint, payload):
             if endpoint == self.a.endpoint:
-                self.recorded.append(bytes(payload))
+                self._keep(bytes(payload))
             send(endpoint, payload)
 
         control.request, control.send = recording_request, recording_send
+
+    def _keep(self, frame: bytes) -> None:
+        self.recorded.append(frame)
+        self.recorded_by_kind[type(protocol.decode(frame))].append(frame)
 
     def _learn(self, frame: bytes, reply: bytes) -> None:
         """Feed a legitimate exchange into the model (its sessions, nonces and slots become known)."""
@@ -136,6 +142,7 @@ class PeerUnderFire:
                 self.pools = {p.name: p for p in answer.pools}
                 self.model.hellos_accepted += 1
                 self.model.sessions.append(answer.session)
+                self.model.session_ids.add(answer.session)
         elif isinstance(request, Lease):
             self.model.nonces.append(request.nonce)
             self.model.lease_nonces.add((request.session, request.nonce))
@@ -224,10 +231,11 @@ class PeerUnderFire:
             assert request.nonce not in model.hello_nonces, "a replayed HELLO opened a session"
         assert matching and answer.pools == matching, "HELLO_REPLY must list exactly the matching pools"
         assert answer.data_plane == self.description
-        assert answer.session not in model.sessions, "session ids are never reused"
+        assert answer.session not in model.session_ids, "session ids are never reused"
         model.hello_nonces.add(request.nonce)
         model.hellos_accepted += 1
         model.sessions.append(answer.session)
+        model.session_ids.add(answer.session)
 
     def _judge_lease(self, request: Lease, answer: object) -> None:
         model = self.model

@@ -102,7 +102,7 @@ def test_replayed_and_substituted_frames_never_win_a_lease(peer):
     """Recorded frames replayed verbatim, or moved to another session, or given another recorded nonce."""
 
     def recorded(kind):
-        return [f for f in peer.recorded if isinstance(protocol.decode(f), kind)]
+        return peer.recorded_by_kind[kind]
 
     def case(steps):
         count("frames.replayed")
@@ -132,8 +132,9 @@ def test_replayed_and_substituted_frames_never_win_a_lease(peer):
 
     def case_then_replay_all(steps):
         case(steps)
-        if steps[-1][0] == "restore":  # now and then: every LEASE ever recorded, replayed once more, gets nothing
-            for frame in recorded(Lease):
+        if steps[-1][0] == "restore":  # now and then: the oldest and newest LEASEs, replayed once more, get nothing
+            leases = recorded(Lease)
+            for frame in leases[:16] + leases[-16:]:
                 assert not isinstance(peer.fire(frame), LeaseReply)
 
     peer.fuzz("frames.replayed", (actions,), case_then_replay_all)
