@@ -110,3 +110,34 @@ def test_an_integer_too_long_to_print_is_a_config_error_naming_the_setting(key):
         parse_settings({"transport": [10**5000]})  # the wrong type, shown in the message
     with pytest.raises(ConfigError, match="unknown kvcr setting"):
         parse_settings({10**5000: 1})
+
+
+@pytest.mark.zmq
+def test_a_one_way_message_sent_as_a_request_is_answered_without_a_traceback(caplog):
+    """RELEASE sent with a request id made the ZMQ server raise TypeError inside its own loop and log
+    'control handler ... failed' with a traceback: a peer's mistake looked like a handler bug."""
+    import logging
+    import time
+
+    import zmq
+
+    from kvcr.adapters.local import MonotonicClock
+    from kvcr.runner.protocol import Release
+
+    cluster = Cluster(MonotonicClock(), control="zmq")
+    context = zmq.Context()
+    try:
+        source = cluster.node("A")
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(source.endpoint)
+        with caplog.at_level(logging.WARNING, logger="kvcr"):
+            sock.send_multipart([b"\x00" * 7 + b"\x01", protocol.encode(Release(1, [2]))])
+            assert sock.poll(10_000)
+            assert sock.recv_multipart() == [b"\x00" * 7 + b"\x01", b"\x01", b"no reply: a one-way message"]
+            time.sleep(0.05)
+        assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+        sock.close(linger=0)
+    finally:
+        context.term()
+        cluster.close()
