@@ -40,17 +40,20 @@ class Relay:
 
     def __init__(self, cluster, source) -> None:
         self.cluster, self.source = cluster, source
-        self.ports = itertools.count(20_000)
+        self.ports = itertools.cycle(range(1, 65536))
         self.history: dict[type, list] = {HelloReply: [], LeaseReply: []}
         self.plan: dict[str, tuple] = {}
-        self.channels = []
+        self.channel = None
 
     def endpoint(self) -> str:
-        """A fresh relay endpoint per case, so every case starts with a HELLO through the relay."""
-        channel = MockControlChannel(self.cluster.fabric, f"tcp://127.0.0.1:{next(self.ports)}", self.cluster.clock)
-        channel.serve(self.answer)
-        self.channels.append(channel)
-        return channel.endpoint
+        """A fresh relay endpoint per case (on an address no node uses), so every case starts with a HELLO."""
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = MockControlChannel(
+            self.cluster.fabric, f"tcp://127.0.0.99:{next(self.ports)}", self.cluster.clock
+        )
+        self.channel.serve(self.answer)
+        return self.channel.endpoint
 
     def answer(self, frame: bytes) -> bytes | None:
         reply = self.source.server.handle(frame)
