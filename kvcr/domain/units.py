@@ -32,7 +32,8 @@ def parse_byte_size(value: int | str, *, name: str = "size") -> int:
         raise ConfigError(f"{name}: expected bytes as an int or a string like '8GiB', got a bool")
     if isinstance(value, int):
         if value.bit_length() > 100:
-            raise ConfigError(f"{name}: {str(value)[:24]}... is far too large")
+            # Not its digits: str() refuses integers of over 4300 digits.
+            raise ConfigError(f"{name}: an integer of {value.bit_length()} bits is far too large")
         if value < 0:
             raise ConfigError(f"{name}: must not be negative, got {value}")
         return value

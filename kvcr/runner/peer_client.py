@@ -548,8 +548,9 @@ class PeerClient:
                 self._mark_down(endpoint, "no pool namespace in common")
             return None
         mine = self._runner.namespaces
-        # Checked here too: a peer that shares no namespace with us must never get a link.
-        pools = {p.name: p for p in reply.pools if mine.get(p.name) == p.namespace}
+        # Checked here too: a peer that shares no namespace with us must never get a link; nor may a
+        # pool description that does not fit our pool (reads are planned from its regions and sizes).
+        pools = {p.name: p for p in reply.pools if mine.get(p.name) == p.namespace and self._fits(p)}
         if not pools:
             self._mark_down(endpoint, "no pool namespace in common")
             return None
@@ -571,6 +572,15 @@ class PeerClient:
         for old in evicted:
             self._drop(old)
         return link
+
+    def _fits(self, wire: PoolWire) -> bool:
+        spec = self._specs.get(wire.name)
+        return (
+            spec is not None
+            and wire.slots > 0
+            and len(wire.regions) == len(spec.components)
+            and list(wire.pieces) == [c.piece_bytes for c in spec.components]
+        )
 
     def _close_idle(self, now: float) -> None:
         idle: list[tuple[str, _Link]] = []

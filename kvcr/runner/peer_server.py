@@ -216,7 +216,8 @@ class PeerServer:
         if now - self._last_log >= _LOG_EVERY_S:  # refusals are peer-driven: never one line each
             self._last_log = now
             log.info("kvcr peer server refused a request: %s", code.name.lower())
-        return Refused(nonce, int(code))
+        # Only a well-formed nonce is echoed: a peer's 1 MiB "nonce" must not come back to it.
+        return Refused(nonce if len(nonce) == NONCE_BYTES else b"", int(code))
 
     def _refuse(self, nonce: bytes, code: RefusalCode) -> bytes:
         return protocol.encode(self._refusal(nonce, code))

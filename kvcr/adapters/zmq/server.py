@@ -256,10 +256,15 @@ class ControlServer:
             reply = handler(payload)
             if oneway:
                 return
-            if not isinstance(reply, bytes):
-                what = "no reply" if reply is None else type(reply).__name__
-                raise TypeError(f"handler gave {what} to a request, not bytes")
-            status = _STATUS_OK
+            if reply is None:
+                # The peer asked for a reply to a one-way message (e.g. RELEASE with a request id): its
+                # mistake, not a handler failure, so no traceback; it learns there is no reply.
+                self._frame_warning.warn("control server %s: a one-way message came as a request", self._name)
+                status, reply = _STATUS_FAILED, b"no reply: a one-way message"
+            elif not isinstance(reply, bytes):
+                raise TypeError(f"handler gave {type(reply).__name__} to a request, not bytes")
+            else:
+                status = _STATUS_OK
         except Exception as exc:  # a handler bug must not stop the server; the peer learns it failed
             self._handler_warning.warn("control handler on %s failed", self._name, exc_info=True)
             if oneway:

@@ -8,6 +8,7 @@ with one line naming the key (a typo must not silently fall back to a default).
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import stat
 from collections.abc import Mapping
@@ -117,6 +118,8 @@ def read_token_file(path: str) -> bytes:
         info = os.stat(path)
     except OSError as exc:
         raise ConfigError(f"auth_token_file {path!r}: cannot read it: {exc.strerror}") from exc
+    except ValueError as exc:  # a NUL byte, or a character the file system encoding cannot hold
+        raise ConfigError(f"auth_token_file {path!r} is not a usable path") from exc
     if not stat.S_ISREG(info.st_mode):
         raise ConfigError(f"auth_token_file {path!r} is not a regular file")
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -178,11 +181,14 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> KvcrSettings:
         expected = _TYPES.get(key)
         if expected is None:
             known = sorted([*_TYPES, "dram_bytes"])
-            raise ConfigError(f"unknown kvcr setting {key!r}; known settings: {', '.join(known)}")
+            raise ConfigError(f"unknown kvcr setting {_shown(key)}; known settings: {', '.join(known)}")
         # bool is an int subclass: refuse True for an int setting and 1 for a bool one.
         if isinstance(value, bool) != (bool in expected) or not isinstance(value, expected):
             names = " or ".join("null" if t is type(None) else t.__name__ for t in expected)
             raise ConfigError(f"kvcr setting {key!r} must be {names}, got {_shown(value)}")
+        if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+            # Also keeps every message below printable: str() refuses integers of over 4300 digits.
+            raise ConfigError(f"kvcr setting {key!r} is out of range (an integer of {value.bit_length()} bits)")
         if isinstance(value, list):
             value = _strings(key, value)
         values[key] = value
@@ -192,7 +198,10 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> KvcrSettings:
 
 
 def _shown(value: object) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of over 4300 digits (in it) has no repr
+        return f"a {type(value).__name__} too large to show"
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
@@ -219,8 +228,9 @@ def _check(s: KvcrSettings) -> None:
     for key in ("read_batch_pages", "max_peer_links"):
         if not 0 < getattr(s, key) <= 1 << 16:
             raise ConfigError(f"{key} must be in 1..65536, got {getattr(s, key)}")
-    if s.recompute_tokens_per_s < 0:
-        raise ConfigError(f"recompute_tokens_per_s must not be negative, got {s.recompute_tokens_per_s}")
+    # JSON as SGLang reads it accepts NaN and Infinity: NaN would switch the check off, Infinity every remote read.
+    if not 0 <= s.recompute_tokens_per_s < math.inf:
+        raise ConfigError(f"recompute_tokens_per_s must be a finite number >= 0, got {s.recompute_tokens_per_s}")
     if s.landing not in LANDINGS:
         raise ConfigError(f"landing must be one of {', '.join(LANDINGS)}, got {_shown(s.landing)}")
     if s.policy not in POLICIES:
