@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 MAX_SESSIONS = 4096
 MAX_NONCES = 1 << 16  # per session, and for HELLOs: past this a session is dropped (the peer says HELLO again)
+# Nonces remembered across all sessions (~100 B each): past this the least recently used sessions
+# are dropped, so many busy sessions cannot make the server hold MAX_SESSIONS x MAX_NONCES of them.
+MAX_TRACKED_NONCES = 1 << 20
 _LOG_EVERY_S = 10.0
 
 
@@ -70,8 +73,12 @@ class PeerServer:
         data_plane: DataPlane,
         arena_ids: Mapping[str, Sequence[int]],
         metrics: Metrics,
+        *,
+        max_tracked_nonces: int = MAX_TRACKED_NONCES,
     ) -> None:
         self._runner = runner
+        self._max_tracked = max_tracked_nonces
+        self._tracked = 0  # nonces held by the sessions in self._sessions
         self._data_plane = data_plane
         self._metrics = metrics
         self.incarnation = uuid.uuid4().hex
@@ -128,9 +135,11 @@ class PeerServer:
         if not pools:
             # Neither side's namespace text goes back: the peer learns only that nothing matched.
             return self._refusal(request.nonce, RefusalCode.NAMESPACE)
+        if len(request.nonce) != NONCE_BYTES:
+            return self._refusal(request.nonce, RefusalCode.MALFORMED)
         session_id = secrets.randbits(63) | 1
         with self._lock:
-            if request.nonce in self._hello_nonces or len(request.nonce) != NONCE_BYTES:
+            if request.nonce in self._hello_nonces:
                 replayed = True
             else:
                 replayed = False
@@ -139,7 +148,7 @@ class PeerServer:
                     self._hello_nonces.popitem(last=False)
                 self._sessions[session_id] = _Session(request.sender[:128], {p.pool_id: p.name for p in pools})
             while len(self._sessions) > MAX_SESSIONS:
-                self._sessions.popitem(last=False)
+                self._drop_oldest_session()
         if replayed:
             return self._refusal(request.nonce, RefusalCode.REPLAYED)
         self._expect_reads()
@@ -149,16 +158,21 @@ class PeerServer:
     def _lease(self, request: Lease) -> LeaseReply | Refused:
         if self._closing:
             return self._refusal(request.nonce, RefusalCode.CLOSING)
+        if len(request.nonce) != NONCE_BYTES:
+            return self._refusal(request.nonce, RefusalCode.MALFORMED)
         replayed = False
         with self._lock:
             session = self._sessions.get(request.session)
             if session is not None:
                 self._sessions.move_to_end(request.session)
-                replayed = request.nonce in session.nonces or len(request.nonce) != NONCE_BYTES
+                replayed = request.nonce in session.nonces
                 if not replayed:
                     session.nonces.add(request.nonce)
+                    self._tracked += 1
                     if len(session.nonces) > MAX_NONCES:
-                        del self._sessions[request.session]  # the peer opens a fresh session
+                        self._drop_session(request.session)  # the peer opens a fresh session
+                    while self._tracked > self._max_tracked and len(self._sessions) > 1:
+                        self._drop_oldest_session()
         if session is None:
             return self._refusal(request.nonce, RefusalCode.UNKNOWN_SESSION)
         if replayed:
@@ -209,6 +223,19 @@ class PeerServer:
     def _expect_reads(self) -> None:
         if self._activity is not None:
             self._activity.expect_reads(self._runner.config.timing.lease_s)
+
+    def _drop_session(self, session_id: int) -> None:
+        """Forget a session (under the lock); its peer's next LEASE is UNKNOWN_SESSION and it says HELLO again."""
+        self._tracked -= len(self._sessions.pop(session_id).nonces)
+
+    def _drop_oldest_session(self) -> None:
+        self._drop_session(next(iter(self._sessions)))
+
+    @property
+    def tracked_nonces(self) -> int:
+        """Nonces remembered across all sessions (bounded by ``max_tracked_nonces``)."""
+        with self._lock:
+            return self._tracked
 
     def _refusal(self, nonce: bytes, code: RefusalCode) -> Refused:
         self._metrics.increment(M.PEER_REQUESTS_REFUSED, labels={"reason": RefusalReason(code.name.lower())})

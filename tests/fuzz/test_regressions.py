@@ -19,10 +19,10 @@ def test_a_refusal_never_echoes_a_malformed_nonce(source, nonce):
     """A 1 MiB "nonce" came back in full in the refusal (1 MiB in, 1 MiB out): only 16-byte nonces are echoed."""
     namespaces = dict(source.runner.namespaces)
     requests = [
-        (Hello(nonce, "x", "i", namespaces), RefusalCode.REPLAYED),  # a malformed nonce is never fresh
+        (Hello(nonce, "x", "i", namespaces), RefusalCode.MALFORMED),  # not a nonce at all (it was REPLAYED)
         (Hello(nonce, "x", "i", {"kv": "another"}), RefusalCode.NAMESPACE),
         (Hello(nonce, "x", "i", {f"p{i}": "" for i in range(100)}), RefusalCode.TOO_LARGE),
-        (Lease(nonce, 12345, 1000, [(0, [])]), RefusalCode.UNKNOWN_SESSION),
+        (Lease(nonce, 12345, 1000, [(0, [])]), RefusalCode.MALFORMED),
     ]
     for request, code in requests:
         reply = source.server.handle(protocol.encode(request))
@@ -140,4 +140,51 @@ def test_a_one_way_message_sent_as_a_request_is_answered_without_a_traceback(cap
         sock.close(linger=0)
     finally:
         context.term()
+        cluster.close()
+
+
+def test_the_nonces_a_server_remembers_are_bounded_across_sessions():
+    """Each session kept up to 65,536 nonces and 4,096 sessions were kept: a token holder could make
+    the server remember about 268 M nonces (~20 GB). A budget across sessions drops the least
+    recently used sessions first; a dropped session's peer is told so and is served after a new HELLO."""
+    import secrets
+
+    from kvcr.adapters.local import InMemoryMetrics
+    from kvcr.adapters.mock import MockDataPlane
+    from kvcr.runner.peer_server import PeerServer
+    from kvcr.runner.protocol import HelloReply, LeaseReply
+
+    cluster = Cluster()
+    try:
+        runner = cluster.node("A").runner
+        plane = MockDataPlane(cluster.fabric, "budget", cluster.clock)
+        arena_ids = {pool: plane.register(regions, exposed=True) for pool, regions in runner.pool_arenas().items()}
+        server = PeerServer(runner, plane, arena_ids, InMemoryMetrics(), max_tracked_nonces=50)
+        namespaces = dict(runner.namespaces)
+
+        def ask(message):
+            return protocol.decode(server.handle(protocol.encode(message)))
+
+        def hello():
+            reply = ask(Hello(secrets.token_bytes(16), "p", "i", namespaces))
+            assert isinstance(reply, HelloReply)
+            return reply.session
+
+        def lease(session):
+            return ask(Lease(secrets.token_bytes(16), session, 1000, [(0, [])]))
+
+        sessions = [hello() for _ in range(10)]
+        answers = {}
+        for _ in range(20):
+            for session in sessions:
+                answers[session] = lease(session)
+            assert server.tracked_nonces <= 50
+        kept = [s for s in sessions if isinstance(answers[s], LeaseReply)]
+        forgotten = [s for s in sessions if not isinstance(answers[s], LeaseReply)]
+        assert kept and forgotten  # the budget dropped some sessions and kept serving others
+        assert all(answers[s] == Refused(answers[s].nonce, int(RefusalCode.UNKNOWN_SESSION)) for s in forgotten)
+        assert isinstance(lease(kept[-1]), LeaseReply)
+        assert isinstance(lease(hello()), LeaseReply)  # a forgotten peer says HELLO again and is served
+        plane.close()
+    finally:
         cluster.close()

@@ -102,3 +102,14 @@ def _error_of(call, *args):
     except ConfigError as exc:
         return str(exc)
     return ""
+
+
+def test_a_bad_rotation_token_file_is_named_as_such(tmp_path):
+    """The rotation files were checked by the auth_token_file code and named as auth_token_file."""
+    good = write_token(tmp_path, b"0123456789abcdef")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    readable = write_token(shared, b"fedcba9876543210", 0o644)
+    settings = parse_settings({"auth_token_file": good, "rotation_token_files": [readable]})
+    with pytest.raises(ConfigError, match=r"^rotation_token_files .*readable or writable by group"):
+        settings.rotation_tokens()

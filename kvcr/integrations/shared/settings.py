@@ -89,7 +89,7 @@ class KvcrSettings:
 
     def rotation_tokens(self) -> tuple[bytes, ...]:
         """Tokens also admitted (and dialled with) while the cluster rotates to a new token."""
-        return tuple(read_token_file(path) for path in self.rotation_token_files)
+        return tuple(read_token_file(path, "rotation_token_files") for path in self.rotation_token_files)
 
     def allows(self, host: str) -> bool:
         """Whether a hinted source at ``host`` is one the operator allows (any, without an allowlist)."""
@@ -109,7 +109,7 @@ class KvcrSettings:
         return False
 
 
-def read_token_file(path: str) -> bytes:
+def read_token_file(path: str, setting: str = "auth_token_file") -> bytes:
     """Read the cluster token: a regular file, not readable by others, 16..4096 bytes, no NUL.
 
     Checked before it is opened, so a FIFO or a device cannot hang start-up.
@@ -117,27 +117,27 @@ def read_token_file(path: str) -> bytes:
     try:
         info = os.stat(path)
     except OSError as exc:
-        raise ConfigError(f"auth_token_file {path!r}: cannot read it: {exc.strerror}") from exc
+        raise ConfigError(f"{setting} {path!r}: cannot read it: {exc.strerror}") from exc
     except ValueError as exc:  # a NUL byte, or a character the file system encoding cannot hold
-        raise ConfigError(f"auth_token_file {path!r} is not a usable path") from exc
+        raise ConfigError(f"{setting} {path!r} is not a usable path") from exc
     if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"auth_token_file {path!r} is not a regular file")
+        raise ConfigError(f"{setting} {path!r} is not a regular file")
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(
-            f"auth_token_file {path!r} is readable or writable by group or others (mode "
+            f"{setting} {path!r} is readable or writable by group or others (mode "
             f"{stat.S_IMODE(info.st_mode):o}); chmod 600 it"
         )
     if info.st_size > MAX_TOKEN_BYTES:
-        raise ConfigError(f"auth_token_file {path!r} is larger than {MAX_TOKEN_BYTES} bytes")
+        raise ConfigError(f"{setting} {path!r} is larger than {MAX_TOKEN_BYTES} bytes")
     try:
         with open(path, "rb") as handle:
             token = handle.read(MAX_TOKEN_BYTES + 1).strip()
     except OSError as exc:
-        raise ConfigError(f"auth_token_file {path!r}: cannot read it: {exc.strerror}") from exc
+        raise ConfigError(f"{setting} {path!r}: cannot read it: {exc.strerror}") from exc
     if b"\x00" in token:
-        raise ConfigError(f"auth_token_file {path!r} contains a NUL byte")
+        raise ConfigError(f"{setting} {path!r} contains a NUL byte")
     if len(token) < MIN_TOKEN_BYTES:
-        raise ConfigError(f"auth_token_file {path!r}: the token must be at least {MIN_TOKEN_BYTES} bytes")
+        raise ConfigError(f"{setting} {path!r}: the token must be at least {MIN_TOKEN_BYTES} bytes")
     return token
 
 
