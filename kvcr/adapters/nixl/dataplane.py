@@ -155,6 +155,7 @@ class NixlDataPlane:
         self._incarnation = os.urandom(8)
         self._host = wire.host_identity()
         self.metadata_loads = 0  # add_remote_agent calls, for observability and tests
+        self._registered = 0  # NIXL memory registrations held (what `registrations` reports)
         self._agent, self._np, self._peer_errors = build_agent(name, self._params, progress_wake_s)
         # The beacon peers read to wire up and to learn how our reads complete; scratch slots are
         # where our own such reads land (a slot is reused only after its READ has ended).
@@ -187,6 +188,12 @@ class NixlDataPlane:
         with self._lock:
             return len(self._transfers)
 
+    @property
+    def registrations(self) -> int:
+        """NIXL memory registrations this plane holds (beacon and scratch included); 0 after a clean close."""
+        with self._lock:
+            return self._registered
+
     # ------------------------------------------------------------------ registration
 
     def register(self, regions: Sequence[RegionDescriptor], *, exposed: bool) -> tuple[int, ...]:
@@ -209,7 +216,7 @@ class NixlDataPlane:
                 for region_id in added:
                     entry = self._locals.pop(region_id)
                     with contextlib.suppress(Exception):  # undoing our own half-done registration
-                        self._agent.deregister_memory(entry.registration)
+                        self._deregister_extent(entry.registration)
                 with contextlib.suppress(Exception):
                     self._rebuild_local(exposed_changed=exposed)
                 labels = [r.label for r in regions]
@@ -229,7 +236,7 @@ class NixlDataPlane:
                 changed = True
                 exposed_changed |= entry.exposed
                 try:
-                    self._agent.deregister_memory(entry.registration)
+                    self._deregister_extent(entry.registration)
                 except Exception as exc:
                     failures.append(f"{entry.region.label!r}: {exc}")
             if changed:
@@ -416,7 +423,7 @@ class NixlDataPlane:
             registrations = [e.registration for e in self._locals.values()]
             registrations += [self._beacon_registration, self._scratch_registration]
             for registration in registrations:
-                _attempt(failures, "deregister memory", self._agent.deregister_memory, registration)
+                _attempt(failures, "deregister memory", self._deregister_extent, registration)
             self._locals.clear()
             self._extents.clear()
             self._agent = None  # the last reference: NIXL stops its thread, destroys the agent and UCX worker
@@ -602,7 +609,13 @@ class NixlDataPlane:
     # ------------------------------------------------------------------ NIXL plumbing
 
     def _register_extent(self, base: int, nbytes: int) -> Any:
-        return self._agent.register_memory([(base, nbytes, 0, "")], "DRAM")
+        registration = self._agent.register_memory([(base, nbytes, 0, "")], "DRAM")
+        self._registered += 1
+        return registration
+
+    def _deregister_extent(self, registration: Any) -> None:
+        self._agent.deregister_memory(registration)
+        self._registered -= 1
 
     def _rebuild_local(self, *, exposed_changed: bool) -> None:
         extents: dict[int, Extent] = {}
