@@ -22,11 +22,6 @@ pytestmark = [pytest.mark.fault, pytest.mark.nixl, pytest.mark.sglang, pytest.ma
 OP_MS = 1000
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="NixlDataPlane.connect waits for the zero-copy probe without a bound, then starts its own "
-    "connect deadline: the hit query outlives operation_timeout_ms (and misses anyway: no time is left for the LEASE)",
-)
 def test_a_hit_query_before_the_probe_ends_still_answers_within_the_operation_deadline(cluster, figures):
     fault = Fault("hinted hit query while the tcp probe runs", "tcp")
     source = cluster.start("source", host_pages=16, dram_pages=32, env=TCP)

@@ -85,16 +85,39 @@ def _quiet_nixl_logging() -> None:
 
 
 _probe_lock = threading.Lock()
-_probe_reports: dict[tuple[object, ...], ZeroCopyReport] = {}
+_probes: dict[tuple[object, ...], _Probe] = {}
 
 
-def transport_report(params: dict[str, str]) -> ZeroCopyReport:
-    """One zero-copy probe per process and transport setting: UCX's choice does not change in between."""
+class _Probe:
+    """One probe run: the first caller measures, everyone else waits for it (boundedly, if they must)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.report: ZeroCopyReport | None = None
+
+
+def transport_report(params: dict[str, str], timeout_s: float | None = None) -> ZeroCopyReport | None:
+    """One zero-copy probe per process and transport setting: UCX's choice does not change in between.
+
+    The probe takes a moment (seconds over tcp); ``timeout_s`` bounds the wait for one that is
+    still running (None: wait for it), and None comes back if it has not finished by then.
+    """
     from kvcr.adapters.nixl.probe import check_zero_copy
 
     key = (tuple(sorted(params.items())), os.environ.get("UCX_TLS"), os.environ.get("UCX_NET_DEVICES"))
     with _probe_lock:
-        report = _probe_reports.get(key)
-        if report is None:
-            report = _probe_reports[key] = check_zero_copy(backend_params=params)
-        return report
+        probe = _probes.get(key)
+        owner = probe is None
+        if probe is None:
+            probe = _probes[key] = _Probe()
+    if owner:
+        try:
+            probe.report = check_zero_copy(backend_params=params)  # never raises for a failed probe
+        finally:
+            if probe.report is None:  # it raised after all (a bug): let the next caller try again
+                with _probe_lock:
+                    _probes.pop(key, None)
+            probe.done.set()
+    elif not probe.done.wait(timeout_s):
+        return None
+    return probe.report

@@ -180,7 +180,9 @@ class NixlDataPlane:
     @property
     def transport_report(self) -> ZeroCopyReport:
         """Whether UCX has a zero-copy path here (measured once per process and setting, on first use)."""
-        return transport_report(self._params)
+        report = transport_report(self._params)
+        assert report is not None  # an unbounded wait always has the report
+        return report
 
     @property
     def live_transfers(self) -> int:
@@ -272,7 +274,6 @@ class NixlDataPlane:
 
     def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
         desc, extents, rows = wire.decode(description)
-        zero_copy = self.transport_report.zero_copy  # measured once per process (begun at construction)
         deadline = time.monotonic() + max(0.0, timeout_s)
         name = desc.name
         with self._lock:
@@ -309,10 +310,19 @@ class NixlDataPlane:
             self._unreachable(link)
             raise PeerUnavailable(f"{self._name}: peer {name!r} did not answer within {timeout_s:.2f}s")
         same_host = bool(self._host) and desc.host == self._host
-        # Both must agree before a peer's reads may land in engine memory: UCX must have its
-        # zero-copy path here (a tcp READ over a fast loopback can also finish inside the post, so
-        # timing alone would misjudge it), and this peer's reads must really end inside the post.
-        late_writes = not (same_host and zero_copy and self._reads_complete_in_post(link, desc, deadline))
+        # Both must agree before a peer's reads may land in engine memory: this peer's reads must
+        # really end inside the post, and UCX must have its zero-copy path here (a tcp READ over a
+        # fast loopback can also finish inside the post, so timing alone would misjudge it). The
+        # zero-copy probe (begun at construction; seconds over tcp) is waited for only within
+        # this connect's deadline: a peer it is still needed for is not connected yet (a miss).
+        late_writes = not (same_host and self._reads_complete_in_post(link, desc, deadline))
+        if not late_writes:
+            report = transport_report(self._params, max(0.0, deadline - time.monotonic()))
+            if report is None:
+                with self._lock:
+                    self._finish_closing(link)  # forgotten now: the next connect starts afresh
+                raise PeerUnavailable(f"{self._name}: the transport probe is still running; {name!r} not connected yet")
+            late_writes = not report.zero_copy
         info = PeerInfo(name, late_writes)
         with self._lock:
             if self._peers.get(name) is link:
