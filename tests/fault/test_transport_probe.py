@@ -39,12 +39,6 @@ def test_a_hit_query_before_the_probe_ends_still_answers_within_the_operation_de
     cluster.close_checked(source)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the probe gives a READ only until its 5 s wall-clock bound: one in flight when the process was "
-    "stopped past it is abandoned with both loopback agents, their UCX workers, async thread and fds, for "
-    "the life of the process (and the probe reports a failure instead of what it measured)",
-)
 def test_a_probe_stopped_mid_read_past_its_bound_finishes_and_abandons_nothing(monkeypatch):
     """The process stops (SIGSTOP, a freezer cgroup, swapping) while a probe READ is in flight."""
     import nixl._api
