@@ -56,6 +56,7 @@ class ReplicaOptions:
     settings: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     netns: str | None = None
+    log_level: str = "WARNING"  # kvcr records at this level and above are counted (the first 20 kept)
 
 
 @dataclass
@@ -97,8 +98,8 @@ class KindStats:
 class _LogCounter(logging.Handler):
     """Counts kvcr's warnings and errors and keeps the first few (an expected miss logs neither)."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
         self.counts: dict[str, int] = {}
         self.first: list[str] = []
 
@@ -191,8 +192,12 @@ class ReplicaState:
         self.page_bytes = self.view.page_bytes
         for slot in range(self.view.pages):
             self.view.poison(slot)
-        self.logs = _LogCounter()
-        logging.getLogger("kvcr").addHandler(self.logs)
+        level = logging.getLevelName(options.log_level.upper())
+        self.logs = _LogCounter(level)
+        kvcr_log = logging.getLogger("kvcr")
+        kvcr_log.addHandler(self.logs)
+        if kvcr_log.getEffectiveLevel() > level:
+            kvcr_log.setLevel(level)
         self.baseline = {"threads": _threads(), "fds": _fds()}
         self.baseline_names = {"threads": _task_names(), "fds": _fd_targets()}
         settings = {
@@ -363,6 +368,8 @@ class ReplicaState:
             "quarantined": node.client.quarantined if node is not None else 0,
             "staging_quarantined": node.staging.quarantined if node is not None else 0,
             "links": node.client.links if node is not None else 0,
+            "leases_held": started.runner.active_leases if started is not None else 0,
+            "booked_pages": self.store.kvcr_stats()["held_remote_pages"],
             "counters": self.store.kvcr_stats()["counters"],
             "logs": dict(self.logs.counts),
             "first_logs": list(self.logs.first),

@@ -95,12 +95,12 @@ class Figures:
 
     def table(self) -> list[str]:
         lines = [
-            f"{'fault':44} {'tls':4} {'trials':>6} {'worst s':>8} {'wrong B':>7} {'late B':>6} "
+            f"{'fault':58} {'tls':4} {'trials':>6} {'worst s':>8} {'wrong B':>7} {'late B':>6} "
             f"{'hits':>5} {'misses':>6} alive  notes"
         ]
         for r in self.rows:
             lines.append(
-                f"{r['name']:44} {r['transport']:4} {r['trials']:>6} {r['worst_s']:>8.3f} {r['wrong_bytes']:>7} "
+                f"{r['name']:58} {r['transport']:4} {r['trials']:>6} {r['worst_s']:>8.3f} {r['wrong_bytes']:>7} "
                 f"{r['late_bytes']:>6} {r['hits']:>5} {r['misses']:>6} {'yes' if r['worker_alive'] else 'NO':5}  "
                 f"{r['notes']}"
             )
