@@ -80,11 +80,6 @@ def test_a_probe_stopped_mid_read_past_its_bound_finishes_and_abandons_nothing(m
     assert not report.zero_copy and "did not complete" not in " ".join(report.causes), report.causes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a process that exits while its data plane's background probe is mid-READ aborts "
-    "(SIGABRT, 'terminate called without an active exception'): the daemon thread is still inside NIXL",
-)
 def test_a_process_exiting_while_its_probe_runs_exits_cleanly():
     """A short-lived process (a CLI, a benchmark's child) closes its data plane during the probe, and exits."""
     script = (

@@ -8,9 +8,11 @@ config, swapped in for this agent's name only (docs/nixl-behaviour.md, section 5
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvcr.ports.errors import TransportError
@@ -86,6 +88,8 @@ def _quiet_nixl_logging() -> None:
 
 _probe_lock = threading.Lock()
 _probes: dict[tuple[object, ...], _Probe] = {}
+_EXIT_WAIT_S = 15.0  # how long an exiting process waits for a probe still running (seconds over tcp)
+_exit_hook: list[bool] = []
 
 
 class _Probe:
@@ -110,6 +114,9 @@ def transport_report(params: dict[str, str], timeout_s: float | None = None) -> 
         owner = probe is None
         if probe is None:
             probe = _probes[key] = _Probe()
+            if not _exit_hook:
+                _exit_hook.append(True)
+                atexit.register(_wait_for_probes)
     if owner:
         try:
             probe.report = check_zero_copy(backend_params=params)  # never raises for a failed probe
@@ -121,3 +128,12 @@ def transport_report(params: dict[str, str], timeout_s: float | None = None) -> 
     elif not probe.done.wait(timeout_s):
         return None
     return probe.report
+
+
+def _wait_for_probes() -> None:
+    """At exit, let a running probe finish: a process that exits with it inside NIXL aborts (SIGABRT)."""
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    with _probe_lock:
+        running = [p for p in _probes.values() if not p.done.is_set()]
+    for probe in running:
+        probe.done.wait(max(0.0, deadline - time.monotonic()))
