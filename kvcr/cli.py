@@ -147,9 +147,19 @@ def _measure_sglang(args: argparse.Namespace, progress: _Progress) -> tuple[list
 
 
 def _measure_remote(args: argparse.Namespace, progress: _Progress) -> list[Any]:
-    from kvcr.bench.remote import run_remote
+    from kvcr.bench.remote import run_remote, run_remote_netns
 
     batches = _batches(args.batches)
+    if getattr(args, "netns", False):
+        if os.geteuid() != 0:
+            raise KvcrError("--netns creates network namespaces and a veth pair: run it as root")
+        sizes = _sizes(args.page_sizes)
+        return list(
+            progress.step(
+                f"remote across two network namespaces (UCX over tcp): pages {args.page_sizes}, batches {args.batches}",
+                partial(run_remote_netns, sizes, batches, args.reps),
+            )
+        )
     results: list[Any] = []
     for i, size in enumerate(_sizes(args.page_sizes)):
         port = args.port + 10 * i if args.port else None
@@ -189,9 +199,11 @@ def _bench_sglang(args: argparse.Namespace) -> int:
 
 def _bench_remote(args: argparse.Namespace) -> int:
     from kvcr.bench.plot import plot_remote
-    from kvcr.bench.remote import as_dict, remote_table
+    from kvcr.bench.remote import NETNS_LINK, as_dict, remote_table
 
-    results = _measure_remote(args, _Progress(len(_sizes(args.page_sizes))))
+    results = _measure_remote(args, _Progress(1 if args.netns else len(_sizes(args.page_sizes))))
+    if args.netns:
+        print(f"link: {NETNS_LINK}; ratios are against a raw NIXL READ over the same link, in this run")
     print(remote_table(results))
     _write(args, [as_dict(r) for r in results], lambda png: plot_remote(results, png))
     return 0
@@ -415,6 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument("--batches", default="32,128", help="pages per restore, comma-separated")
     remote.add_argument("--reps", type=_positive("--reps"), default=20, help="timed repetitions per configuration")
     remote.add_argument("--port", type=_port, default=0, help="first of the loopback ports to use (0: free ones)")
+    remote.add_argument(
+        "--netns",
+        action="store_true",
+        help="run source and target in two network namespaces joined by a veth pair this run creates and removes "
+        "(root), UCX over tcp as between hosts without RDMA; the raw NIXL READ baseline crosses the same link",
+    )
     _json_option(remote, "bench-results/remote.json")
     remote.set_defaults(func=_bench_remote)
 

@@ -20,7 +20,6 @@ Nothing here raises into the pipe: a failing call is counted (``exceptions``) an
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import random
@@ -34,8 +33,6 @@ from typing import Any
 from kvcr.soak.pattern import PageView, prompt_keys
 
 LAYER_PAGE_BYTES = 256 << 10  # one layer of one page of kvcr.testing.sglang's pool (K and V)
-_CLONE_NEWNET, _CLONE_NEWNS = 0x40000000, 0x00020000
-_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 1 << 19, 2
 
 
 @dataclass(frozen=True)
@@ -107,27 +104,6 @@ class _LogCounter(logging.Handler):
         self.counts[record.levelname] = self.counts.get(record.levelname, 0) + 1
         if len(self.first) < 20:
             self.first.append(f"{record.levelname} {record.name}: {record.getMessage()}"[:300])
-
-
-def enter_netns(name: str) -> None:
-    """Move this (single-threaded) process into network namespace ``name``, as ``ip netns exec`` does.
-
-    It also gets its own mount namespace with a fresh /sys, so what UCX reads about network
-    devices there is this namespace's.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {name}")
-    finally:
-        os.close(fd)
-    if libc.unshare(_CLONE_NEWNS) != 0:
-        raise OSError(ctypes.get_errno(), "unshare the mount namespace")
-    libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None)
-    libc.umount2(b"/sys", _MNT_DETACH)
-    if libc.mount(name.encode(), b"/sys", b"sysfs", 0, None) != 0:
-        raise OSError(ctypes.get_errno(), "mount sysfs")
 
 
 def _rss() -> tuple[int, int]:
@@ -487,6 +463,8 @@ def serve(conn: Any, options: ReplicaOptions) -> None:
     """The process body: build the replica, say READY, answer commands until ``exit`` or EOF."""
     try:
         if options.netns:
+            from kvcr.testing.netns import enter_netns
+
             enter_netns(options.netns)
         os.environ.update(options.env)
         from kvcr.testing.sglang import prepare_environment

@@ -35,8 +35,10 @@ def cluster():
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not _FIGURES.rows:
+    """Print the figures once per session (other directories' conftests may call this too)."""
+    if not _FIGURES.rows or _FIGURES.printed:
         return
+    _FIGURES.printed = True
     terminalreporter.section("kvcr fault figures")
     for line in _FIGURES.table():
         terminalreporter.write_line(line)

@@ -85,6 +85,7 @@ class Figures:
 
     def __init__(self) -> None:
         self.rows: list[dict] = []
+        self.printed = False
         self._lock = threading.Lock()
 
     def record(self, fault: Fault) -> None:
