@@ -26,6 +26,7 @@ import random
 import threading
 import time
 import traceback
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,9 @@ class ReplicaOptions:
     log_level: str = "WARNING"  # kvcr records at this level and above are counted (the first 20 kept)
 
 
+_SAMPLES = 20000  # latency samples kept per kind (a reservoir: its memory is taken once, up front)
+
+
 @dataclass
 class KindStats:
     """What one kind of operation did (a kind: backup, local_restore, remote_restore)."""
@@ -70,19 +74,23 @@ class KindStats:
     hangs: int = 0  # calls slower than operation_timeout_ms + 1 s
     exceptions: int = 0
     max_s: float = 0.0
-    samples: list[float] = field(default_factory=list)
+    timed_calls: int = 0
+    samples: array[float] = field(default_factory=lambda: array("d", bytes(8 * _SAMPLES)))
 
     def timed(self, seconds: float, bound_s: float) -> None:
         self.max_s = max(self.max_s, seconds)
         if seconds > bound_s:
             self.hangs += 1
-        if len(self.samples) < 20000:
-            self.samples.append(seconds)
+        if self.timed_calls < _SAMPLES:
+            self.samples[self.timed_calls] = seconds
         else:
-            self.samples[random.randrange(len(self.samples))] = seconds
+            slot = random.randrange(self.timed_calls + 1)
+            if slot < _SAMPLES:
+                self.samples[slot] = seconds
+        self.timed_calls += 1
 
     def as_dict(self) -> dict[str, Any]:
-        ordered = sorted(self.samples)
+        ordered = sorted(self.samples[: min(self.timed_calls, _SAMPLES)])
 
         def pct(q: float) -> float:
             return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
