@@ -281,7 +281,10 @@ def _save_json(path: Path, data: object) -> Path:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    from kvcr.soak.run import SoakOptions, run_soak
+    try:
+        from kvcr.soak.run import SoakOptions, run_soak
+    except ImportError as exc:
+        raise KvcrError(f"needs SGLang and NIXL (pip install 'kvcr-runner[sglang,nixl]'): {exc}") from None
 
     options = SoakOptions(
         replicas=args.replicas,

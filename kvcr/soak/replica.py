@@ -335,9 +335,9 @@ class ReplicaState:
 
     def stats(self) -> dict[str, Any]:
         rss, peak = _rss()
-        started = self.store._started
-        node = started.node if started is not None else None
+        node = self.store.node  # the backend started when its pools were registered
         plane = node.data_plane if node is not None else None
+        stats = self.store.kvcr_stats()
         with self.lock:
             kinds = {k: v.as_dict() for k, v in self.kinds.items()}
         return {
@@ -352,9 +352,9 @@ class ReplicaState:
             "quarantined": node.client.quarantined if node is not None else 0,
             "staging_quarantined": node.staging.quarantined if node is not None else 0,
             "links": node.client.links if node is not None else 0,
-            "leases_held": started.runner.active_leases if started is not None else 0,
-            "booked_pages": self.store.kvcr_stats()["held_remote_pages"],
-            "counters": self.store.kvcr_stats()["counters"],
+            "leases_held": self.store.runner.active_leases,
+            "booked_pages": stats["held_remote_pages"],
+            "counters": stats["counters"],
             "logs": dict(self.logs.counts),
             "first_logs": list(self.logs.first),
         }
@@ -362,8 +362,8 @@ class ReplicaState:
     def close(self) -> dict[str, Any]:
         """Close the backend; report what is left: threads, fds, NIXL registrations and transfers."""
         self.halt()
-        started = self.store._started
-        plane = started.node.data_plane if started is not None and started.node is not None else None
+        node = self.store.node
+        plane = node.data_plane if node is not None else None
         error = None
         try:
             self.store.close()
