@@ -1,4 +1,4 @@
-"""The ``kvcr`` command: ``demo``, ``worker``, ``bench`` and ``doctor``.
+"""The ``kvcr`` command: ``demo``, ``worker``, ``bench``, ``soak`` and ``doctor``.
 
 Every option says what it does and its default (``--help``). A mistake is one line naming the
 option to change; nothing here prints a traceback for an expected failure.
@@ -155,9 +155,19 @@ def _measure_sglang(args: argparse.Namespace, progress: _Progress) -> tuple[list
 
 
 def _measure_remote(args: argparse.Namespace, progress: _Progress) -> list[Any]:
-    from kvcr.bench.remote import run_remote
+    from kvcr.bench.remote import run_remote, run_remote_netns
 
     batches = _batches(args.batches)
+    if getattr(args, "netns", False):
+        if os.geteuid() != 0:
+            raise KvcrError("--netns creates network namespaces and a veth pair: run it as root")
+        sizes = _sizes(args.page_sizes)
+        return list(
+            progress.step(
+                f"remote across two network namespaces (UCX over tcp): pages {args.page_sizes}, batches {args.batches}",
+                partial(run_remote_netns, sizes, batches, args.reps),
+            )
+        )
     results: list[Any] = []
     transports = _transports(args.transport)
     for i, size in enumerate(_sizes(args.page_sizes)):
@@ -199,9 +209,12 @@ def _bench_sglang(args: argparse.Namespace) -> int:
 
 def _bench_remote(args: argparse.Namespace) -> int:
     from kvcr.bench.plot import plot_remote
-    from kvcr.bench.remote import as_dict, remote_table
+    from kvcr.bench.remote import NETNS_LINK, as_dict, remote_table
 
-    results = _measure_remote(args, _Progress(len(_sizes(args.page_sizes)) * len(_transports(args.transport))))
+    steps = 1 if args.netns else len(_sizes(args.page_sizes)) * len(_transports(args.transport))
+    results = _measure_remote(args, _Progress(steps))
+    if args.netns:
+        print(f"link: {NETNS_LINK}; ratios are against a raw NIXL READ over the same link, in this run")
     print(remote_table(results))
     _write(args, [as_dict(r) for r in results], lambda png: plot_remote(results, png))
     return 0
@@ -273,6 +286,42 @@ def _save_json(path: Path, data: object) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+# ---------------------------------------------------------------------- soak
+
+
+def _soak(args: argparse.Namespace) -> int:
+    try:
+        from kvcr.soak.run import SoakOptions, run_soak
+    except ImportError as exc:
+        raise KvcrError(f"needs SGLang and NIXL (pip install 'kvcr-runner[sglang,nixl]'): {exc}") from None
+
+    options = SoakOptions(
+        replicas=args.replicas,
+        minutes=args.minutes,
+        page_kib=args.page_kib,
+        dram_pages=args.dram_pages,
+        host_pages=args.host_pages,
+        prompt_pages=args.prompt_pages,
+        prompts=args.prompts,
+        pause_ms=args.pause_ms,
+        remote_share=args.remote_share,
+        seed=args.seed,
+        operation_timeout_ms=args.operation_timeout_ms,
+        tls=args.tls,
+        report_every_s=args.report_every_s,
+    )
+    # SGLang warns on import that its GPU-only quantizers are unusable on a CPU; not news here.
+    warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore:Only CUDA:UserWarning")
+    report = run_soak(
+        options, progress=lambda line: print(line, file=sys.stderr, flush=True), metrics_port=args.metrics_port
+    )
+    print(report.table())
+    if args.json:
+        print(f"wrote {_save_json(Path(args.json), report.as_dict())}", file=sys.stderr)
+    return 0 if report.ok else 1
 
 
 # ---------------------------------------------------------------------- doctor, demo
@@ -401,6 +450,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="nixl",
         help="kvcr's data plane for read and restore: nixl, ucx or nixl,ucx (the baseline is always a raw NIXL READ)",
     )
+    remote.add_argument(
+        "--netns",
+        action="store_true",
+        help="run source and target in two network namespaces joined by a veth pair this run creates and removes "
+        "(root), UCX over tcp as between hosts without RDMA; the raw NIXL READ baseline crosses the same link",
+    )
     _json_option(remote, "bench-results/remote.json")
     remote.set_defaults(func=_bench_remote)
 
@@ -418,6 +473,41 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--readme", default="README.md", help="the README whose marked block --update-readme rewrites")
     report.add_argument("--update-readme", action="store_true", help="rewrite the README's generated benchmark block")
     report.set_defaults(func=_bench_report)
+
+    soak = command(
+        commands,
+        "soak",
+        "replica processes (SGLang host pools, kvcr over NIXL) under mixed backups with eviction, local and "
+        "hinted remote restores for N minutes; counts wrong bytes, hangs, exceptions, memory and leaks",
+    )
+    soak.add_argument("--replicas", type=_positive("--replicas"), default=4, help="replica processes (at least 2)")
+    soak.add_argument("--minutes", type=float, default=10.0, help="how long the load runs")
+    soak.add_argument("--page-kib", type=_positive("--page-kib"), default=256, help="KV page size (multiple of 256)")
+    soak.add_argument(
+        "--dram-pages",
+        type=_positive("--dram-pages"),
+        default=48,
+        help="kvcr DRAM per replica, in pages (small: evicts)",
+    )
+    soak.add_argument("--host-pages", type=_positive("--host-pages"), default=128, help="SGLang host pool per replica")
+    soak.add_argument("--prompt-pages", type=_positive("--prompt-pages"), default=8, help="pages per prompt")
+    soak.add_argument("--prompts", type=_positive("--prompts"), default=24, help="prompts each replica owns")
+    soak.add_argument("--pause-ms", type=float, default=5.0, help="pause after each call of each load thread")
+    soak.add_argument("--remote-share", type=float, default=0.5, help="share of restores that are hinted remote ones")
+    soak.add_argument("--seed", type=int, default=0, help="seed of the load and of the page bytes")
+    soak.add_argument(
+        "--operation-timeout-ms",
+        type=_positive("--operation-timeout-ms"),
+        default=2000,
+        help="the backend's operation_timeout_ms; a call slower than it + 1 s counts as a hang",
+    )
+    soak.add_argument(
+        "--tls", choices=("default", "tcp"), default="default", help="UCX transports: UCX's choice, or tcp only"
+    )
+    soak.add_argument("--report-every-s", type=float, default=10.0, help="seconds between progress lines")
+    soak.add_argument("--metrics-port", type=_port, help="serve the soak's figures on this /metrics port (loopback)")
+    soak.add_argument("--json", help="also write the full report here")
+    soak.set_defaults(func=_soak)
 
     doctor = command(commands, "doctor", "check this host before enabling kvcr; one line per check")
     doctor.add_argument(

@@ -16,6 +16,11 @@ pool. Per page size and batch (pages 0..batch-1), interleaved repetition by repe
 
 Every kvcr read is checked byte for byte against the source's known page contents once per
 configuration. Ratios are against ``raw`` (and ``raw`` against ``memcpy``) of the same run.
+
+``run_remote_netns`` runs the same across two network namespaces joined by a veth pair (root only;
+:class:`kvcr.testing.netns.TwoHosts`), UCX over tcp, as between two hosts without RDMA: the source
+in one namespace, this measurement (target and raw baseline) in a child process in the other, so
+``read vs raw`` is kvcr against a raw NIXL READ over the very same link.
 """
 
 from __future__ import annotations
@@ -63,17 +68,20 @@ class RemoteResult:
     transport: str = "nixl"
     checked_restore_p50_ms: float = 0.0  # the restore with verify_bytes on
     verify_cost: float = 0.0  # restore time with verify_bytes on / without, same run
+    link: str = "loopback"  # "tcp over veth (2 namespaces)" for run_remote_netns
 
     def gbps(self, ms: float) -> float:
         return self.pages * self.page_bytes / (ms / 1e3) / 1e9
 
 
 @contextlib.contextmanager
-def source_replica_process(module_args: list[str]) -> Iterator[dict[str, Any]]:
-    """Run ``python <module_args>`` until it prints ``READY {json}``; yield the json; stop it after."""
-    env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
+def source_replica_process(
+    module_args: list[str], *, prefix: Sequence[str] = (), env: dict[str, str] | None = None
+) -> Iterator[dict[str, Any]]:
+    """Run ``[prefix] python <module_args>`` until it prints ``READY {json}``; yield the json; stop it after."""
+    env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, *module_args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [*prefix, sys.executable, *module_args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
         line: list[str] = []
@@ -87,10 +95,21 @@ def source_replica_process(module_args: list[str]) -> Iterator[dict[str, Any]]:
         stop_process(proc)
 
 
+@dataclass(frozen=True, slots=True)
+class SourcePlace:
+    """Where the source replica runs: a command prefix (``ip netns exec``), its address, token, env."""
+
+    prefix: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    token_file: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+
+
 def source_replica(
-    page_bytes: int, port: int, transport: str = "nixl"
+    page_bytes: int, port: int, place: SourcePlace = SourcePlace(), transport: str = "nixl"
 ) -> contextlib.AbstractContextManager[dict[str, Any]]:
     """A ``kvcr.testing.replica`` replica holding SOURCE_PAGES known pages of ``page_bytes``."""
+    extra = ["--host", place.host] + (["--token-file", place.token_file] if place.token_file else [])
     return source_replica_process(
         [
             "-m",
@@ -108,11 +127,16 @@ def source_replica(
             "--transport",
             transport,
             "--verify-bytes",  # digests at backup, so a verifying target can check them
-        ]
+            *extra,
+        ],
+        prefix=place.prefix,
+        env=dict(place.env),
     )
 
 
-def data_plane_description(endpoint: str, namespaces: dict[str, str], port: int) -> tuple[bytes, list[int]]:
+def data_plane_description(
+    endpoint: str, namespaces: dict[str, str], port: int, token: bytes | None = None
+) -> tuple[bytes, list[int]]:
     """Ask a source for its data-plane description and its KV pool's region ids (for the raw baseline)."""
     import secrets
 
@@ -120,7 +144,7 @@ def data_plane_description(endpoint: str, namespaces: dict[str, str], port: int)
     from kvcr.runner import protocol
     from kvcr.runner.protocol import Hello, HelloReply
 
-    probe = ZmqControlChannel("127.0.0.1", port)
+    probe = ZmqControlChannel("127.0.0.1", port, token=token)
     try:
         hello = Hello(secrets.token_bytes(16), "raw", "raw", namespaces)
         reply = protocol.decode(probe.request(endpoint, protocol.encode(hello), 10))
@@ -195,29 +219,38 @@ class RawReader:
 
 
 def run_remote(
-    page_bytes: int, batches: list[int], reps: int, port: int | None = None, transport: str = "nixl"
+    page_bytes: int,
+    batches: list[int],
+    reps: int,
+    port: int | None = None,
+    place: SourcePlace = SourcePlace(),
+    link: str = "loopback",
+    transport: str = "nixl",
 ) -> list[RemoteResult]:
     """Measure every batch for one page size over ``transport``; ``port`` starts a block of 5 (free
     ones by default). The baseline is always a raw NIXL READ: with another transport a second source
     replica, over NIXL and holding the same pages, serves it."""
+    from pathlib import Path
+
     port = port or free_port_block(5)
     pool = bench_pool(page_bytes)
     runner_timing = deadlines.Timing(operation_s=30.0, abandon_s=60.0, lease_s=60.0, lease_margin_s=1.0)
+    token = Path(place.token_file).read_bytes().strip() if place.token_file else None
     results = []
     with contextlib.ExitStack() as stack:
-        info = stack.enter_context(source_replica(page_bytes, port))
+        info = stack.enter_context(source_replica(page_bytes, port, place))
         kvcr_source = info
         if transport != "nixl":
-            kvcr_source = stack.enter_context(source_replica(page_bytes, port + 3, transport))
-        node = build_node(
-            f"bench-target-{os.getpid()}-{port}", port + 1, page_bytes, 4, timing=runner_timing, transport=transport
-        )
+            kvcr_source = stack.enter_context(source_replica(page_bytes, port + 3, place, transport))
+        target = f"bench-target-{os.getpid()}-{port}"
+        node = build_node(target, port + 1, page_bytes, 4, timing=runner_timing, token=token, transport=transport)
         checking = build_node(
             f"bench-checking-{os.getpid()}-{port}",
             port + 4,
             page_bytes,
             4,
             timing=runner_timing,
+            token=token,
             transport=transport,
             verify_bytes=True,
         )
@@ -233,7 +266,9 @@ def run_remote(
             lease = node.client.lease(endpoint, [("kv", keys)])
             if lease is None or len(lease.slots) != len(keys) or lease.link is None:
                 raise RuntimeError("could not lease the source's pages")
-            description, region_ids = data_plane_description(info["endpoint"], dict(node.runner.namespaces), port + 2)
+            description, region_ids = data_plane_description(
+                info["endpoint"], dict(node.runner.namespaces), port + 2, token
+            )
             raw = RawReader(
                 f"bench-raw-{os.getpid()}-{port}",
                 description,
@@ -245,7 +280,7 @@ def run_remote(
             try:
                 for batch in batches:
                     result = _measure(node, checking, raw, lease, host, scratch, keys[:batch], endpoint, reps)
-                    results.append(dataclasses.replace(result, transport=transport))
+                    results.append(dataclasses.replace(result, transport=transport, link=link))
             finally:
                 raw.close()
                 node.client.release(lease)
@@ -331,6 +366,60 @@ def _measure(
     )
 
 
+NETNS_LINK = "tcp over veth (2 namespaces)"
+
+
+def run_remote_netns(sizes: list[int], batches: list[int], reps: int) -> list[RemoteResult]:
+    """``run_remote`` across two network namespaces joined by a veth pair, UCX over tcp (root only).
+
+    The namespaces, the pair and a token file (the control addresses are not loopback, so the
+    control channel is authenticated) are this call's own and always removed.
+
+    Raises:
+        OSError: the namespaces cannot be made (not root), or the measuring process failed.
+    """
+    import secrets
+    import tempfile
+
+    from kvcr.testing.netns import TwoHosts
+
+    with TwoHosts() as hosts, tempfile.TemporaryDirectory(prefix="kvcr-bench-netns-") as tmp:
+        token_file = os.path.join(tmp, "token")
+        with open(token_file, "w") as out:
+            out.write(secrets.token_hex(32))
+        os.chmod(token_file, 0o600)
+        place = SourcePlace(
+            tuple(hosts.exec_prefix(hosts.a)),
+            hosts.addr_a,
+            token_file,
+            (("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", hosts.dev_a)),
+        )
+        job = {"sizes": sizes, "batches": batches, "reps": reps, "place": dataclasses.asdict(place)}
+        env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES=hosts.dev_b)
+        done = subprocess.run(
+            [*hosts.exec_prefix(hosts.b), sys.executable, "-m", "kvcr.bench.remote", json.dumps(job)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
+        if done.returncode != 0:
+            raise OSError(f"the measuring process in namespace {hosts.b} failed: {done.stderr.strip()[-800:]}")
+        rows = json.loads(done.stdout.strip().splitlines()[-1])
+    return [RemoteResult(**row) for row in rows]
+
+
+def _netns_child(job: dict[str, Any]) -> list[dict[str, object]]:
+    """In the target's namespace: every page size of ``run_remote_netns`` (source in the other one)."""
+    place = job["place"]
+    source = SourcePlace(tuple(place["prefix"]), place["host"], place["token_file"], tuple(map(tuple, place["env"])))
+    return [
+        as_dict(r)
+        for size in job["sizes"]
+        for r in run_remote(size, job["batches"], job["reps"], place=source, link=NETNS_LINK)
+    ]
+
+
 def remote_table(results: list[RemoteResult]) -> str:
     rows = [
         [
@@ -362,3 +451,7 @@ def remote_table(results: list[RemoteResult]) -> str:
 
 def as_dict(result: RemoteResult) -> dict[str, object]:
     return asdict(result)
+
+
+if __name__ == "__main__":  # the measuring process of run_remote_netns (one JSON argument)
+    print(json.dumps(_netns_child(json.loads(sys.argv[1]))))

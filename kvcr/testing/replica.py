@@ -93,6 +93,7 @@ def build_node(
     peer: PeerSettings | None = None,
     transport: str = "nixl",
     verify_bytes: bool = False,
+    host: str = "127.0.0.1",
 ) -> RunnerNode:
     """A node holding ``slots`` pages of ``page_bytes``, built through the composition root."""
     pool = bench_pool(page_bytes)
@@ -104,7 +105,7 @@ def build_node(
         timing=timing or Timing(),
         verify_bytes=verify_bytes,
     )
-    node_settings = NodeSettings("127.0.0.1", port, token=token, peer=peer or PeerSettings())
+    node_settings = NodeSettings(host, port, token=token, peer=peer or PeerSettings())
     return build_container(config, node=node_settings, transport=transport, control="zmq").node()
 
 
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", type=int, required=True)
     parser.add_argument("--page-bytes", type=int, required=True)
     parser.add_argument("--name", default="source")
+    parser.add_argument("--host", default="127.0.0.1", help="control address (not loopback: needs --token-file)")
     parser.add_argument("--token-file")
     parser.add_argument("--lease-ms", type=int, default=10_000)
     parser.add_argument("--transport", default="nixl", help="the data plane: nixl or ucx")
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         timing=timing,
         transport=args.transport,
         verify_bytes=args.verify_bytes,
+        host=args.host,
     )
     pool = bench_pool(args.page_bytes)
     host = HostPool.allocate(MmapHostMemory(), pool, args.pages)

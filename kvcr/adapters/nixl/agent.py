@@ -8,9 +8,11 @@ config, swapped in for this agent's name only (docs/nixl-behaviour.md, section 5
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvcr.ports.errors import TransportError
@@ -85,7 +87,17 @@ def _quiet_nixl_logging() -> None:
 
 
 _probe_lock = threading.Lock()
-_probe_reports: dict[tuple[object, ...], ZeroCopyReport] = {}
+_probes: dict[tuple[object, ...], _Probe] = {}
+_EXIT_WAIT_S = 15.0  # how long an exiting process waits for a probe still running (seconds over tcp)
+_exit_hook: list[bool] = []
+
+
+class _Probe:
+    """One probe run: the first caller measures, everyone else waits for it (boundedly, if they must)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.report: ZeroCopyReport | None = None
 
 
 def ucx_environment() -> tuple[str | None, str | None]:
@@ -93,18 +105,45 @@ def ucx_environment() -> tuple[str | None, str | None]:
     return os.environ.get("UCX_TLS"), os.environ.get("UCX_NET_DEVICES")
 
 
-def transport_report(params: dict[str, str], environment: tuple[str | None, str | None]) -> ZeroCopyReport:
+def transport_report(
+    params: dict[str, str], environment: tuple[str | None, str | None], timeout_s: float | None = None
+) -> ZeroCopyReport | None:
     """One zero-copy probe per process and transport setting: UCX's choice does not change in between.
 
     ``environment`` is :func:`ucx_environment` as it was when the asking agent was built: the probe
     answers for that agent even if the environment changed since (tests narrow ``UCX_TLS`` only
-    while they build one agent; the probe must then have run before they widen it again).
+    while they build one agent; the probe must then have run before they widen it again). The
+    probe takes a moment (seconds over tcp); ``timeout_s`` bounds the wait for one that is still
+    running (None: wait for it), and None comes back if it has not finished by then.
     """
     from kvcr.adapters.nixl.probe import check_zero_copy
 
     key = (tuple(sorted(params.items())), *environment)
     with _probe_lock:
-        report = _probe_reports.get(key)
-        if report is None:
-            report = _probe_reports[key] = check_zero_copy(backend_params=params)
-        return report
+        probe = _probes.get(key)
+        owner = probe is None
+        if probe is None:
+            probe = _probes[key] = _Probe()
+            if not _exit_hook:
+                _exit_hook.append(True)
+                atexit.register(_wait_for_probes)
+    if owner:
+        try:
+            probe.report = check_zero_copy(backend_params=params)  # never raises for a failed probe
+        finally:
+            if probe.report is None:  # it raised after all (a bug): let the next caller try again
+                with _probe_lock:
+                    _probes.pop(key, None)
+            probe.done.set()
+    elif not probe.done.wait(timeout_s):
+        return None
+    return probe.report
+
+
+def _wait_for_probes() -> None:
+    """At exit, let a running probe finish: a process that exits with it inside NIXL aborts (SIGABRT)."""
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    with _probe_lock:
+        running = [p for p in _probes.values() if not p.done.is_set()]
+    for probe in running:
+        probe.done.wait(max(0.0, deadline - time.monotonic()))

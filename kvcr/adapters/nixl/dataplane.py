@@ -156,6 +156,7 @@ class NixlDataPlane:
         self._host = wire.host_identity()
         self.metadata_loads = 0  # add_remote_agent calls, for observability and tests
         self._ucx_environment = ucx_environment()  # what the agent's UCX was built with
+        self._registered = 0  # NIXL memory registrations held (what `registrations` reports)
         self._agent, self._np, self._peer_errors = build_agent(name, self._params, progress_wake_s)
         # The beacon peers read to wire up and to learn how our reads complete; scratch slots are
         # where our own such reads land (a slot is reused only after its READ has ended).
@@ -182,13 +183,21 @@ class NixlDataPlane:
     @property
     def transport_report(self) -> ZeroCopyReport:
         """Whether UCX has a zero-copy path here (measured once per process and setting, on first use)."""
-        return transport_report(self._params, self._ucx_environment)
+        report = transport_report(self._params, self._ucx_environment)
+        assert report is not None  # an unbounded wait always has the report
+        return report
 
     @property
     def live_transfers(self) -> int:
         """Handles not yet released, internal connect READs included (tests check nothing leaks)."""
         with self._lock:
             return len(self._transfers)
+
+    @property
+    def registrations(self) -> int:
+        """NIXL memory registrations this plane holds (beacon and scratch included); 0 after a clean close."""
+        with self._lock:
+            return self._registered
 
     # ------------------------------------------------------------------ registration
 
@@ -212,7 +221,7 @@ class NixlDataPlane:
                 for region_id in added:
                     entry = self._locals.pop(region_id)
                     with contextlib.suppress(Exception):  # undoing our own half-done registration
-                        self._agent.deregister_memory(entry.registration)
+                        self._deregister_extent(entry.registration)
                 with contextlib.suppress(Exception):
                     self._rebuild_local(exposed_changed=exposed)
                 labels = [r.label for r in regions]
@@ -232,7 +241,7 @@ class NixlDataPlane:
                 changed = True
                 exposed_changed |= entry.exposed
                 try:
-                    self._agent.deregister_memory(entry.registration)
+                    self._deregister_extent(entry.registration)
                 except Exception as exc:
                     failures.append(f"{entry.region.label!r}: {exc}")
             if changed:
@@ -268,7 +277,6 @@ class NixlDataPlane:
 
     def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
         desc, extents, rows = wire.decode(description)
-        zero_copy = self.transport_report.zero_copy  # measured once per process (begun at construction)
         deadline = time.monotonic() + max(0.0, timeout_s)
         name = desc.name
         with self._lock:
@@ -305,10 +313,19 @@ class NixlDataPlane:
             self._unreachable(link)
             raise PeerUnavailable(f"{self._name}: peer {name!r} did not answer within {timeout_s:.2f}s")
         same_host = bool(self._host) and desc.host == self._host
-        # Both must agree before a peer's reads may land in engine memory: UCX must have its
-        # zero-copy path here (a tcp READ over a fast loopback can also finish inside the post, so
-        # timing alone would misjudge it), and this peer's reads must really end inside the post.
-        late_writes = not (same_host and zero_copy and self._reads_complete_in_post(link, desc, deadline))
+        # Both must agree before a peer's reads may land in engine memory: this peer's reads must
+        # really end inside the post, and UCX must have its zero-copy path here (a tcp READ over a
+        # fast loopback can also finish inside the post, so timing alone would misjudge it). The
+        # zero-copy probe (begun at construction; seconds over tcp) is waited for only within
+        # this connect's deadline: a peer it is still needed for is not connected yet (a miss).
+        late_writes = not (same_host and self._reads_complete_in_post(link, desc, deadline))
+        if not late_writes:
+            report = transport_report(self._params, self._ucx_environment, max(0.0, deadline - time.monotonic()))
+            if report is None:
+                with self._lock:
+                    self._finish_closing(link)  # forgotten now: the next connect starts afresh
+                raise PeerUnavailable(f"{self._name}: the transport probe is still running; {name!r} not connected yet")
+            late_writes = not report.zero_copy
         info = PeerInfo(name, late_writes)
         with self._lock:
             if self._peers.get(name) is link:
@@ -419,7 +436,7 @@ class NixlDataPlane:
             registrations = [e.registration for e in self._locals.values()]
             registrations += [self._beacon_registration, self._scratch_registration]
             for registration in registrations:
-                _attempt(failures, "deregister memory", self._agent.deregister_memory, registration)
+                _attempt(failures, "deregister memory", self._deregister_extent, registration)
             self._locals.clear()
             self._extents.clear()
             self._agent = None  # the last reference: NIXL stops its thread, destroys the agent and UCX worker
@@ -605,7 +622,13 @@ class NixlDataPlane:
     # ------------------------------------------------------------------ NIXL plumbing
 
     def _register_extent(self, base: int, nbytes: int) -> Any:
-        return self._agent.register_memory([(base, nbytes, 0, "")], "DRAM")
+        registration = self._agent.register_memory([(base, nbytes, 0, "")], "DRAM")
+        self._registered += 1
+        return registration
+
+    def _deregister_extent(self, registration: Any) -> None:
+        self._agent.deregister_memory(registration)
+        self._registered -= 1
 
     def _rebuild_local(self, *, exposed_changed: bool) -> None:
         extents: dict[int, Extent] = {}

@@ -44,6 +44,7 @@ _ZERO_COPY_TLS = frozenset(
 )
 _probe_ids = itertools.count()
 _abandoned: list[object] = []  # buffers and agents of a probe READ that never finished
+_ASSIST_MIN_S = 1.0  # help every probe READ gets from its source, even past the probe's bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +99,9 @@ def check_zero_copy(
         repeats: timed READs (and memmoves); the best of each is reported.
         solo_s: how long a READ may take with only the target progressing (CMA: under 1 ms;
             generous so that a loaded host does not look like an emulating one).
-        timeout_s: bound on the whole probe; a READ that does not finish by then is a fallback.
+        timeout_s: bound on the whole probe; a READ that does not finish by then is a fallback
+            (each READ still gets ``_ASSIST_MIN_S`` of its source's help, so one that outlived
+            the bound only because this process was stopped ends rather than being abandoned).
 
     Returns:
         The report; it never raises for a slow or failed probe (that is what it reports).
@@ -183,7 +186,12 @@ def _loopback_reads(params: dict[str, str], nbytes: int, repeats: int, timeout_s
                 state = target.check_xfer_state(xfer)
             elapsed = time.perf_counter() - start
             helped = state == "PROC"
-            while state == "PROC" and time.monotonic() < deadline:
+            # At least _ASSIST_MIN_S of help, whatever the bound says: both agents are ours, so a
+            # READ that outlived the bound only because this process was stopped (SIGSTOP, a
+            # freezer cgroup) ends as soon as the source progresses; abandoning it would keep
+            # both agents alive for the life of the process.
+            assist_until = max(deadline, time.monotonic() + _ASSIST_MIN_S)
+            while state == "PROC" and time.monotonic() < assist_until:
                 source.get_new_notifs()
                 state = target.check_xfer_state(xfer)
             if state == "PROC":
