@@ -91,6 +91,10 @@ def main() -> None:
         if dst is not None:
             result["prefetched_tokens"] = completed
             result["bytes_equal"] = sg.pages_equal(host_a, src, host_b, dst)
+        # RELEASE is one-way: A frees the lease when the message arrives, not before B returns.
+        release_deadline = time.monotonic() + 5
+        while a.runner.active_leases and time.monotonic() < release_deadline:
+            time.sleep(0.01)
         result["a_leases_left"] = a.runner.active_leases
         result["b_kv_events"] = b.kv_events.stats()
         result["a_kv_events"] = a.kv_events.stats()

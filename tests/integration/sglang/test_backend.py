@@ -34,6 +34,22 @@ def test_set_exists_get_round_trip_through_the_dynamic_factory(make_host, layout
         store.close()
 
 
+@pytest.mark.ucx
+def test_transport_ucx_is_accepted_and_serves_pages_like_nixl():
+    host = sg.mha_host("page_first")
+    store = sg.backend(host, sg.storage_config(transport="ucx"))
+    try:
+        keys = sg.hashes(3)
+        src = host.alloc(3 * sg.P)
+        sg.fill(host, src, seed=5)
+        assert store.batch_set_v1(keys, src) == [True] * 3
+        dst = host.alloc(3 * sg.P)
+        assert store.batch_get_v1(keys, dst) == [True] * 3
+        assert sg.pages_equal(host, src, host, dst)
+    finally:
+        store.close()
+
+
 def test_the_legacy_copy_path_round_trips_flat_pages():
     host = sg.mha_host("page_first")
     store = sg.backend(host, sg.storage_config())
@@ -69,7 +85,7 @@ def test_layer_first_is_refused_at_registration_with_a_clear_error():
         ({"policy": "random"}, "policy"),
         ({"abandon_timeout_ms": 10, "operation_timeout_ms": 100}, "abandon_timeout_ms"),
         ({"enable_remote_hint": True, "control_port": 0}, "enable_remote_hint"),
-        ({"transport": "ucx"}, "ucx"),
+        ({"transport": "UCX"}, "transport must be one of"),
         ({"interface_v1": 0}, "interface_v1"),
         ({"auth_token_file": "/nonexistent/token"}, "auth_token_file"),
     ],
