@@ -28,7 +28,6 @@ pytestmark = [pytest.mark.nixl, pytest.mark.zmq]
 PAGE = 64 * 1024
 
 
-
 def scrape(url):
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
