@@ -33,6 +33,7 @@ _HEADER = re.compile(r"^\[\[?([^\]]+)\]\]?\s*(#.*)?$")
 # mutmut's exit codes per mutant (mutmut/stats.py), grouped the way this report counts them.
 _KILLED = {1: "killed", 3: "killed", 37: "type check"}
 _TIMEOUT = {36, 24, -24, 152, 255}
+_CRASHED = {-11, -6}  # the test process died (SIGSEGV, SIGABRT): the suite failed, so the mutant is detected
 _SURVIVED = {0: "survived", 5: "no tests", 33: "no tests"}
 
 
@@ -122,6 +123,8 @@ def _status(code: int | None) -> str:
         return _KILLED[code]
     if code in _TIMEOUT:
         return "timeout"
+    if code in _CRASHED:
+        return "crashed"
     if code in _SURVIVED:
         return _SURVIVED[code]
     return "not checked" if code is None else f"other ({code})"
@@ -151,7 +154,7 @@ def report(package: str, workdir: Path, check: bool, diffs: bool = False) -> int
         return 1
     listed = equivalents()
     counts = Counter(m.status for m in mutants)
-    detected = {"killed", "type check", "timeout"}
+    detected = {"killed", "type check", "timeout", "crashed"}
     equivalent = [m for m in mutants if m.status not in detected and listed.get(m.name, ("",))[0] == m.fingerprint]
     stale = [m for m in mutants if m.name in listed and listed[m.name][0] != m.fingerprint]
     open_ = [m for m in mutants if m.status not in detected and m not in equivalent]
