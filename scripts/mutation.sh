@@ -4,7 +4,8 @@
 #
 #   bash scripts/mutation.sh [domain|runner|sglang|all] [--check] [--jobs N] [--keep]
 #
-# --check  fail when a package's kill rate is below its recorded `floor` (pyproject.toml [tool.mutmut.*])
+# --check  fail when a package's kill rate is below its recorded `floor` (pyproject.toml [tool.mutmut.*]),
+#          or when a package's run outlives KVCR_MUTATION_TIMEOUT seconds (default 900): the CI variant
 # --jobs   parallel mutants (default: the CPU count); runs are niced, the machine stays usable
 # --keep   reuse .mutation/PKG from the last run: only changed functions and new tests are rerun
 #
@@ -43,9 +44,11 @@ for pkg in "${packages[@]}"; do
     "$BIN/python" scripts/mutation_report.py config "$pkg" >"$work/pyproject.toml"
     started=$SECONDS
     printf '\n== mutation %s (%s jobs, log: %s)\n' "$pkg" "$jobs" "$work/run.log"
-    if ! (cd "$work" && nice -n 10 "$BIN/mutmut" run --max-children "$jobs") >"$work/run.log" 2>&1; then
-        tail -n 40 "$work/run.log" >&2
-        echo "mutation $pkg: mutmut failed (log: $work/run.log)" >&2
+    limit=()
+    [ ${#check[@]} -eq 0 ] || limit=(timeout "${KVCR_MUTATION_TIMEOUT:-900}")
+    if ! (cd "$work" && "${limit[@]}" nice -n 10 "$BIN/mutmut" run --max-children "$jobs") >"$work/run.log" 2>&1; then
+        tail -n 40 "$work/run.log" | tr '\r' '\n' | tail -n 20 >&2
+        echo "mutation $pkg: mutmut failed or ran out of time after $((SECONDS - started)) s (log: $work/run.log)" >&2
         status=1
         continue
     fi

@@ -109,6 +109,14 @@ def unbound(request):
         (refuse(99), ["refused (unknown)"], "peer_refused"),
         (refuse(int(RefusalCode.NAMESPACE)), ["refused (namespace)", "no pool namespace in common"], "peer_refused"),
         (unbound, ["reply does not answer our request"], "unbound_reply"),
+        (lambda r: protocol.encode(protocol.Release(1, [])), ["reply does not answer our request"], "unbound_reply"),
+        (
+            lambda r: protocol.encode(
+                HelloReply(r.nonce, 1, "x", b"{}", [protocol.PoolWire(0, "kv", "0" * 16, [1, 2], [256, 256], 4)], 1000)
+            ),
+            ["no pool namespace in common"],
+            "peer_unavailable",
+        ),
     ],
 )
 def test_a_failing_hello_is_a_miss_and_skips_the_peer_for_the_retry_window(cluster, caplog, answer, why, reason):
@@ -171,11 +179,10 @@ def test_connecting_a_data_plane_gets_the_rest_of_the_deadline_at_most_connect_s
     monkeypatch.setattr(b.data_plane, "connect", connect)
     b.client.lease(a.endpoint, [("kv", sequence(1))])
     assert seen == [1.5]
-    slow = cluster.make("C", timing=Timing(operation_s=1.0, abandon_s=4.0, control_s=0.25, connect_s=1.5))
+    slow = cluster.make("C", timing=Timing(operation_s=0.6, abandon_s=4.0, control_s=0.25, connect_s=1.5))
     monkeypatch.setattr(slow.data_plane, "connect", connect)
-    a.control.set_faults(ControlFaults())
     slow.client.lease(a.endpoint, [("kv", sequence(1))])
-    assert seen[1] == pytest.approx(1.0)  # the operation deadline is the tighter bound
+    assert seen[1] == pytest.approx(0.6)  # the operation deadline is the tighter bound
 
 
 def test_a_restarted_source_is_asked_again_once_and_only_once(cluster):
@@ -595,3 +602,153 @@ def test_the_estimate_weighs_the_newest_read_by_0_3(cluster, rate, third_skipped
     second = target.client.restore(source.endpoint, [PoolRead("kv", sequence(4), range(20, 24))])
     assert reasons(second) == [None] * 4
     assert (target.client.lease(source.endpoint, [("kv", sequence(4))]) is None) is third_skipped
+
+
+# ---------------------------------------------------------------------------------------------- more edges
+
+
+def test_a_request_after_the_deadline_is_never_sent(cluster):
+    b = cluster.make("B", timing=Timing(operation_s=0.3, abandon_s=4.0, control_s=0.25))
+    a = cluster.make("A")
+    answer = proxy(a)
+
+    def slow_hello(request):
+        cluster.clock.advance(0.3)  # the HELLO answer takes the whole operation deadline
+        return answer(request)
+
+    rogue = Rogue(cluster, slow_hello)
+    assert b.client.lease(rogue.endpoint, [("kv", sequence(1))]) is None
+    assert [type(c).__name__ for c in rogue.calls] == ["Hello"]
+    assert failures(b, "peer_unavailable") == 0  # no time left is no fault of the peer
+
+
+def test_a_control_call_gets_what_is_left_of_the_deadline(cluster, caplog):
+    b = cluster.make("B", timing=Timing(operation_s=0.3, abandon_s=4.0, control_s=0.25))
+    a = cluster.make("A")
+    answer = proxy(a)
+
+    def then_stall(request):
+        cluster.clock.advance(0.2)
+        rogue.channel.set_faults(ControlFaults(stall=True))  # the LEASE after this HELLO never answers
+        return answer(request)
+
+    rogue = Rogue(cluster, then_stall)
+    with caplog.at_level(logging.INFO, logger="kvcr.runner.peer_client"):
+        assert b.client.lease(rogue.endpoint, [("kv", sequence(1))]) is None
+    (why,) = skipped(caplog, rogue.endpoint)
+    assert why.startswith(f"{rogue.endpoint} did not answer within 0.1")
+
+
+def test_a_grant_whose_every_slot_is_unusable_is_released(cluster):
+    a, b = cluster.make("A", slots=4), cluster.make("B")
+    seed(a, sequence(2), [0, 1])
+    bad = lambda r: LeaseReply(r.nonce, r.lease_id, r.ttl_ms, [[4, -1]], r.digests)  # noqa: E731
+    assert b.client.lease(Rogue(cluster, proxy(a, change_lease=bad)).endpoint, [("kv", sequence(2))]) is None
+    assert a.runner.active_leases == 0
+
+
+def test_a_read_is_posted_under_its_lease(cluster, monkeypatch):
+    a, b = cluster.make("A"), cluster.make("B")
+    seed(a, sequence(1), [0])
+    lease = b.client.lease(a.endpoint, [("kv", sequence(1))])
+    seen = []
+    real = b.data_plane.read
+    monkeypatch.setattr(b.data_plane, "read", lambda peer, runs, **kw: seen.append(kw) or real(peer, runs, **kw))
+    b.client.read(lease, [PoolRead("kv", sequence(1), [5])])
+    assert seen == [{"lease": lease.lease_id}]
+
+
+def test_pages_and_host_slots_of_different_lengths_are_a_caller_bug(cluster):
+    a, b = cluster.make("A"), cluster.make("B")
+    seed(a, sequence(2), [0, 1])
+    lease = b.client.lease(a.endpoint, [("kv", sequence(2))])
+    with pytest.raises(ValueError):
+        b.client.read(lease, [PoolRead("kv", sequence(2), [5])])
+
+
+def test_a_read_completing_only_at_the_lease_end_is_refused(cluster):
+    timing = Timing(operation_s=6.0, abandon_s=8.0, lease_s=5.0, lease_margin_s=0.5)
+    a = cluster.make("A", timing=timing, faults=Faults(latency_s=4.5))  # done exactly at sent + lease - margin
+    b = cluster.make("B", timing=timing)
+    seed(a, sequence(1), [0])
+    result = b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])
+    assert reasons(result) == ["read finished after the lease"]
+    assert b.hosts["kv"].read_page(5) == content(sequence(1)[0], KV.page_bytes)  # landed, but not handed over
+
+
+def test_a_failed_read_skips_the_peer_and_drops_its_link(cluster, caplog, monkeypatch):
+    a = cluster.make("A", faults=Faults(error=True))
+    b = cluster.make("B")
+    seed(a, sequence(1), [0])
+    dropped = []
+    real = b.data_plane.disconnect
+    monkeypatch.setattr(b.data_plane, "disconnect", lambda peer: dropped.append(peer) or real(peer))
+    with caplog.at_level(logging.INFO, logger="kvcr.runner.peer_client"):
+        b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])
+    assert skipped(caplog, a.endpoint) == ["read failed"]
+    assert dropped == ["A"] and b.client.links == 0
+
+
+def test_a_stalled_read_that_will_not_cancel_tears_the_link_down_and_skips_the_peer(cluster, caplog, monkeypatch):
+    a = cluster.make("A", faults=Faults(stall=True, uncertain_cancel=True))
+    b = cluster.make("B", peer=PeerSettings(landing="direct"))
+    seed(a, sequence(1), [0])
+    dropped = []
+    real = b.data_plane.disconnect
+    monkeypatch.setattr(b.data_plane, "disconnect", lambda peer: dropped.append(peer) or real(peer))
+    with caplog.at_level(logging.INFO, logger="kvcr.runner.peer_client"):
+        result = b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])
+    assert reasons(result) == ["read timed out"]  # the disconnect fenced it: a failure, not uncertain
+    assert skipped(caplog, a.endpoint) == ["a read stalled"]
+    assert dropped == ["A"]
+
+
+def test_a_transport_that_reports_uncertain_while_reading_is_waited_out(cluster, monkeypatch):
+    from kvcr.ports.dataplane import TransferState
+
+    a = cluster.make("A")
+    b = cluster.make("B")
+    seed(a, sequence(1), [0])
+    monkeypatch.setattr(b.data_plane, "poll", lambda handle: TransferState.UNCERTAIN)
+    result = b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])
+    assert reasons(result) == ["read timed out"]
+
+
+def test_a_disconnect_that_fails_does_not_stop_closing(cluster, monkeypatch):
+    from kvcr.ports.errors import TransportError
+
+    a, b = cluster.make("A"), cluster.make("B")
+    seed(a, sequence(1), [0])
+    b.client.lease(a.endpoint, [("kv", sequence(1))])
+
+    def broken(peer):
+        raise TransportError("gone")
+
+    monkeypatch.setattr(b.data_plane, "disconnect", broken)
+    b.client.close()
+    assert b.client.links == 0
+
+
+def test_idle_links_are_dropped_and_fresh_ones_kept(cluster, monkeypatch):
+    a, c, d = cluster.make("A"), cluster.make("C"), cluster.make("D")
+    b = cluster.make("B", peer=PeerSettings(link_idle_s=30.0))
+    for s in (a, c, d):
+        seed(s, sequence(1), [0])
+    forgotten = []
+    monkeypatch.setattr(b.control, "forget", forgotten.append)
+    b.client.lease(a.endpoint, [("kv", sequence(1))])
+    cluster.clock.advance(20.0)
+    b.client.lease(d.endpoint, [("kv", sequence(1))])
+    cluster.clock.advance(10.0)  # A idle for 30 s, D for 10 s
+    b.client.lease(c.endpoint, [("kv", sequence(1))])
+    assert forgotten == [a.endpoint] and b.client.links == 2
+
+
+def test_buffers_of_a_failed_staged_read_are_reused(cluster):
+    a = cluster.make("A", faults=Faults(error=True))
+    b = cluster.make("B", peer=PeerSettings(landing="staged", staging_buffers=1))
+    seed(a, sequence(1), [0])
+    assert reasons(b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])) == ["read failed"]
+    a.data_plane.set_faults(Faults())
+    cluster.clock.advance(TIMING.retry_after_s)
+    assert reasons(b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [6])])) == [None]

@@ -304,5 +304,20 @@ def test_a_two_sided_source_sends_only_pieces_a_live_lease_covers(source):
     assert not guard(granted.lease_id, [PieceRun(999, 0, 99, 0, 1)])  # a region that is not an arena
     assert not guard(granted.lease_id + 1, [PieceRun(k, 0, 99, 0, 1)])  # another lease
     assert guard(granted.lease_id, [])
+    second = ask(source, Lease(nonce(), session, 5000, [(1, sequence(3)[2:])]))  # kv slot 2 only
+    assert guard(second.lease_id, [PieceRun(k, 2, 99, 0, 1)]) and not guard(second.lease_id, [PieceRun(k, 1, 99, 0, 2)])
     ask(source, Release(session, [granted.lease_id]))
     assert not guard(granted.lease_id, [PieceRun(k, 0, 99, 0, 1)])  # released: nothing is covered
+
+
+def test_a_failure_while_releasing_is_an_internal_refusal_without_a_nonce(source, monkeypatch, caplog):
+    store(source, sequence(1))
+    session = hello(source).session
+    granted = ask(source, Lease(nonce(), session, 1000, [(1, sequence(1))]))
+
+    def broken(lease_id):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(source.runner, "release_lease", broken)
+    with caplog.at_level(logging.ERROR, logger="kvcr.runner.peer_server"):
+        assert ask(source, Release(session, [granted.lease_id])) == Refused(b"", int(RefusalCode.INTERNAL))

@@ -214,7 +214,7 @@ def test_done_releases_a_lease_only_once_all_its_pages_are_read(nodes):
     pages = booked(nodes, 3)
     book.done([("kv", pages[0])])
     assert a.runner.active_leases == 1 and len(book) == 2
-    book.done([("kv", pages[1]), ("kv", "0" * 64)])  # a page the book never had is ignored
+    book.done([("kv", "0" * 64), ("kv", pages[1])])  # a page the book never had is ignored
     assert a.runner.active_leases == 1
     book.done([("kv", pages[2])])
     assert a.runner.active_leases == 0 and len(book) == 0
@@ -285,3 +285,34 @@ def test_a_read_from_a_lease_that_was_released_is_all_misses(nodes):
     b.client.release(lease)
     outcomes = b.client.read(lease, [PoolRead("kv", pages, [5])])
     assert [o.reason for o in outcomes["kv"]] == ["lease released"]
+
+
+def test_a_request_whose_leases_all_ended_can_still_be_trimmed_and_finished(nodes):
+    _, a, _, book, restorer = nodes
+    pages = booked(nodes, 2, request="r")
+    book.done([("kv", p) for p in pages])
+    assert a.runner.active_leases == 0
+    restorer.trim("r", [])
+    restorer.finish("r")
+    assert len(book) == 0
+
+
+def test_finish_releases_a_requests_later_lease_after_its_first_one_ended(nodes):
+    _, a, _, book, restorer = nodes
+    first = booked(nodes, 1, request="r")
+    later = sequence(1, start=700)
+    seed(a, later, [9])
+    restorer.presence(later, ["kv"], {"kv": Source(a.endpoint)}, request="r", evidence=["kv"])
+    assert a.runner.active_leases == 2
+    book.done([("kv", first[0])])
+    assert a.runner.active_leases == 1
+    restorer.finish("r")
+    assert a.runner.active_leases == 0
+
+
+def test_a_lease_is_dead_exactly_at_its_usable_end(nodes):
+    cluster, _, b, book, _ = nodes
+    pages = booked(nodes, 1)
+    lease = book.held("kv", pages[0])
+    cluster.clock.advance(lease.usable_until(TIMING.lease_margin_s) - cluster.clock.now())
+    assert not b.client.alive(lease) and book.held("kv", pages[0]) is None

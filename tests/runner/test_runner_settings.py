@@ -159,11 +159,12 @@ def test_a_node_closes_once_and_deregisters_only_when_quiescent(cluster, monkeyp
     a = cluster.node("A")
     seed(a, sequence(1), [0])
     closed = []
-    real_close = a.data_plane.close
+    real_close, real_control = a.data_plane.close, a.control.close
     monkeypatch.setattr(a.data_plane, "close", lambda: closed.append("data plane") or real_close())
+    monkeypatch.setattr(a.control, "close", lambda: closed.append("control") or real_control())
     a.close()
     a.close()
-    assert closed == ["data plane"]
+    assert closed == ["control", "data plane"]
     with pytest.raises(Exception, match="closed"):
         a.runner.exists("kv", sequence(1))
 
