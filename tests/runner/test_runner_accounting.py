@@ -367,3 +367,190 @@ def test_the_replica_namespace_is_a_stable_digest_of_every_pool_namespace(env):
     other = env(pools=(kv_pool(), indexer_pool()))
     assert other.runner.namespace != a.runner.namespace
     assert a.runner.stats().namespace == a.runner.namespace
+
+
+# ---------------------------------------------------------------------------------------------- more edges
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="KvcrRunner._discard never frees a DISCARDING entry whose last claim just ended: the slot leaks",
+)
+def test_a_corrupt_page_two_readers_hold_is_freed_when_the_last_one_ends(env):
+    memory = GatedMemory()
+    e = env(memory=memory)
+    pages = sequence(1)
+    e.store(pages)
+    ctypes.memset(e.runner.pool_arenas()["kv"][0].address(0), 0x11, 4)
+    memory.armed = True
+    slow = threading.Thread(target=lambda: e.runner.restore("kv", pages, [20]))
+    slow.start()
+    assert memory.entered.wait(5)  # the first reader holds the page
+    assert [o.outcome for o in e.runner.restore("kv", pages, [21])] == [Outcome.FAILED]
+    assert e.runner.stats().pools[0].discarding == 1  # dropped, but still read by the first reader
+    memory.gate.set()
+    slow.join(5)
+    stats = e.runner.stats().pools[0]
+    assert (stats.discarding, stats.free) == (0, 8)
+
+
+def test_a_dropped_corrupt_page_is_never_chosen_for_eviction(env):
+    e = env(slots=2)
+    pages = sequence(2)
+    e.store(pages)
+    ctypes.memset(e.runner.pool_arenas()["kv"][0].address(0), 0x22, 4)
+    e.runner.restore("kv", pages, [10, 11])  # page 0 is dropped
+    assert e.store(sequence(2, start=300), [20, 21]) == [True, True]  # one free slot, one eviction
+
+
+def test_stats_count_claimed_pages_and_name_the_runner(env):
+    e = env(pools=(kv_pool(), indexer_pool()))
+    pages = sequence(2)
+    e.store(pages)
+    e.runner.lease([("kv", pages)], 5.0)
+    stats = e.runner.stats()
+    assert stats.name == "r0"
+    kv = next(p for p in stats.pools if p.pool == "kv")
+    assert (kv.claimed, kv.ready, kv.page_bytes) == (2, 2, PAGE)
+    assert next(p for p in stats.pools if p.pool == "indexer").page_bytes == 64
+
+
+def test_a_logical_pool_shows_no_slots():
+    logical = PoolSpec("kv", (), anchor=True, logical=True)
+    memory, metrics, inventory = MockHostMemory(), InMemoryMetrics(strict=True), RecordingInventory()
+    runner = make_runner((logical, indexer_pool()), 4, memory, MonotonicClock(), metrics, inventory)
+    try:
+        pools = {p.pool: p for p in runner.stats().pools}
+        assert (pools["kv"].slots, pools["kv"].free, pools["kv"].page_bytes) == (0, 0, 0)
+        assert pools["indexer"].slots == 4
+    finally:
+        runner.close()
+
+
+def test_stats_still_answer_after_close(env):
+    e = env()
+    e.store(sequence(1))
+    e.runner.close()
+    assert e.runner.stats().pools[0].ready == 0
+
+
+def test_host_regions_lists_every_registered_pool(env):
+    e = env(pools=(kv_pool(), indexer_pool()))
+    labels = [r.label for r in e.runner.host_regions()]
+    assert labels == ["host/kv/k", "host/kv/v", "host/indexer/i"]
+
+
+def test_the_flat_copy_path_needs_one_destination_per_component(env):
+    e = env()
+    e.store(sequence(1))
+    with pytest.raises(LayoutError) as err:
+        e.runner.load_page("kv", sequence(1)[0], [0])
+    assert str(err.value) == "pool 'kv' has 2 components, 1 destinations given"
+    assert e.runner.load_page("kv", sequence(1, start=50)[0], [0, 0]) is False
+
+
+def test_host_regions_cannot_move_while_an_operation_is_in_flight(env):
+    memory = GatedMemory()
+    e = env(memory=memory)
+    e.store(sequence(1))
+    memory.armed = True
+    reader = threading.Thread(target=lambda: e.runner.restore("kv", sequence(1), [3]))
+    reader.start()
+    assert memory.entered.wait(5)
+    try:
+        with pytest.raises(LayoutError) as err:
+            e.runner.register_host_pool("kv", HostPool(kv_pool(), 8).regions)
+        assert str(err.value) == "pool 'kv': host regions cannot change while operations are in flight"
+        e.runner.register_host_pool("kv", e.hosts["kv"].regions)  # the same geometry is fine
+    finally:
+        memory.gate.set()
+        reader.join(5)
+    e.runner.register_host_pool("kv", HostPool(kv_pool(), 8).regions)  # and a new one once quiet
+
+
+def test_a_successful_restore_counts_no_copy_failure(env):
+    e = env()
+    e.store(sequence(1))
+    e.runner.restore("kv", sequence(1), [5])
+    assert "kvcr_failures_total{path=local_restore,reason=copy_error}" not in e.metrics.snapshot()
+
+
+def test_a_failed_copy_counts_no_extra_misses(env):
+    e = env(slots=4)
+    pages = sequence(3)
+    e.store(pages[:1])
+    e.memory.fail_after_moves = 0
+    assert e.store(pages) == [True, False, False]  # the held page still counts as stored
+    assert "kvcr_pages_total{outcome=miss,path=backup}" not in e.metrics.snapshot()
+    assert e.value("kvcr_pages_total{outcome=failed,path=backup}") == 2
+
+
+def test_expiries_are_counted_one_per_lease(env):
+    clock = FakeClock()
+    e = env(clock=clock, timing=Timing(lease_s=2.0, lease_margin_s=0.5))
+    e.store(sequence(2))
+    e.runner.lease([("kv", sequence(2)[:1])], 2.0)
+    e.runner.lease([("kv", sequence(2)[1:])], 2.0)
+    clock.advance(2.0)
+    assert e.runner.expire_leases() == 2
+    assert e.value("kvcr_leases_expired_total") == 2
+
+
+def test_the_lease_cap_counts_pages_not_leases(env):
+    e = env(slots=2)  # at most one page leased at a time
+    pages = sequence(2)
+    e.store(pages)
+    first = e.runner.lease([("kv", pages[:1])], 5.0)
+    e.runner.release_lease(first.lease_id)
+    assert e.runner.lease([("kv", pages[1:])], 5.0).slots[0][0] >= 0  # the cap came back
+    both = e.runner.lease([("kv", pages)], 5.0)
+    assert sum(s >= 0 for s in both.slots[0]) == 1
+
+
+def test_a_page_leased_twice_pins_one_cap_slot_until_both_end(env):
+    e = env(slots=4)  # cap: 2 pages
+    pages = sequence(3)
+    e.store(pages)
+    a = e.runner.lease([("kv", pages[:1])], 5.0)
+    e.runner.lease([("kv", pages[:1])], 5.0)
+    e.runner.release_lease(a.lease_id)  # page 0 is still leased by the second
+    more = e.runner.lease([("kv", pages[1:])], 5.0)
+    assert [s >= 0 for s in more.slots[0]] == [True, False]
+
+
+def test_an_unhashable_key_in_a_lease_is_a_miss(env):
+    e = env()
+    e.store(sequence(1))
+    grant = e.runner.lease([("kv", [["not", "a", "key"], sequence(1)[0]])], 5.0)
+    assert grant.slots[0][0] == -1 and grant.slots[0][1] >= 0
+
+
+def test_backing_up_held_pages_refreshes_their_recency(env):
+    e = env(slots=2)
+    pages = sequence(2)
+    e.store(pages[:1])
+    e.store(pages[1:], [1])
+    e.store(pages[:1])  # page 0 is used again: page 1 is now the least recent
+    e.store(sequence(1, start=400), [7])
+    assert e.runner.exists("kv", pages) == [True, False]
+
+
+def test_a_page_listed_twice_takes_one_slot(env):
+    e = env()
+    page = sequence(1)
+    assert e.store(page * 2, [0, 0]) == [True, True]
+    stats = e.runner.stats().pools[0]
+    assert (stats.ready, stats.filling, stats.free) == (1, 0, 7)
+
+
+def test_alignment_walks_at_most_max_alignment_depth_ancestors(env):
+    e = env(slots=4, max_alignment_depth=1)
+    chain = sequence(3)
+    e.store(chain[:1], [0])
+    e.store(chain[1:2], [1], parent=chain[0])
+    e.store(chain[2:], [2], parent=chain[1])
+    other = sequence(1, start=500)
+    e.store(other, [3])
+    e.runner.restore("kv", chain[2:], [10])  # touches page 2 and one ancestor (page 1), not page 0
+    e.store(sequence(1, start=600), [4])
+    assert e.runner.exists("kv", chain) == [False, True, True]
