@@ -372,10 +372,6 @@ def test_the_replica_namespace_is_a_stable_digest_of_every_pool_namespace(env):
 # ---------------------------------------------------------------------------------------------- more edges
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="KvcrRunner._discard never frees a DISCARDING entry whose last claim just ended: the slot leaks",
-)
 def test_a_corrupt_page_two_readers_hold_is_freed_when_the_last_one_ends(env):
     memory = GatedMemory()
     e = env(memory=memory)
