@@ -5,10 +5,20 @@ The boundary values next to each refusal are accepted, so a rule that is off by 
 
 import pytest
 
+from kvcr.domain.boundaries import trailing_boundaries
 from kvcr.domain.deadlines import MAX_TIMEOUT_S, DeadlineBudget, Timing
 from kvcr.domain.errors import ConfigError, EvidenceError, InvalidKeyError, LayoutError
+from kvcr.domain.hints import Endpoint
 from kvcr.domain.hits import PoolPresence, evidence_pools
-from kvcr.domain.keys import NamespaceSpec, ShardIdentity, check_pool_name, i64_to_u64, page_hash, u64_to_i64
+from kvcr.domain.keys import (
+    NamespaceSpec,
+    ShardIdentity,
+    check_pool_name,
+    i64_to_u64,
+    page_hash,
+    page_hashes,
+    u64_to_i64,
+)
 from kvcr.domain.layout import ComponentSpec, RegionDescriptor
 from kvcr.domain.pools import HitPolicy, check_pool_set
 from kvcr.domain.residency import IllegalTransition, SlotState, check_transition
@@ -127,6 +137,7 @@ def test_key_errors_name_the_bad_value():
     assert message(InvalidKeyError, i64_to_u64, 1 << 63) == "9223372036854775808 is not a signed 64-bit integer"
     assert message(InvalidKeyError, check_pool_name, "k v") == "pool name must match ^[A-Za-z0-9_.:-]{1,64}$, got 'k v'"
     assert message(InvalidKeyError, page_hash, [1 << 64]) == "token id 18446744073709551616 is outside [0, 2**64)"
+    assert message(InvalidKeyError, page_hashes, [1, 2], 0) == "page_size must be positive, got 0"
     assert message(InvalidKeyError, ShardIdentity, 2, 2) == "tp_rank 2 is outside tp_size 2"
     assert message(InvalidKeyError, ShardIdentity, 0, 0) == "tp_rank 0 is outside tp_size 0"
     assert message(InvalidKeyError, NamespaceSpec, "", 4, "bf16", "page_first") == "namespace needs a model name"
@@ -154,6 +165,11 @@ def test_layout_errors_name_the_region_or_component():
         "region 'r': stride 4 is smaller than piece_bytes 8, so its own pieces overlap"
     )
     assert message(LayoutError, check_pool_set, []) == "at least one pool is required"
+    assert message(LayoutError, trailing_boundaries, [True], 0) == "trailing window must be positive, got 0"
+
+
+def test_an_endpoint_needs_its_scheme_unless_told_otherwise():
+    assert message(ValueError, Endpoint.parse, "h:1") == "endpoint 'h:1' must start with tcp://"
 
 
 def test_the_smallest_legal_regions_are_accepted():

@@ -24,7 +24,8 @@ def test_a_single_piece_in_the_gap_of_a_strided_region_does_not_overlap_it():
     gap = RegionDescriptor("s", 160, 100, 1, 30)  # bytes [160, 190): inside K's second gap
     assert K.overlaps(gap) is False and gap.overlaps(K) is False
     two = RegionDescriptor("k2", 0, 100, 2, 50)
-    assert two.overlaps(gap) is False and gap.overlaps(two) is False
+    inside = RegionDescriptor("s2", 60, 100, 1, 30)  # bytes [60, 90): between two's pieces, inside its extent
+    assert two.overlaps(inside) is False and inside.overlaps(two) is False
     check_disjoint([K, gap])
 
 
