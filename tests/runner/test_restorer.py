@@ -316,3 +316,61 @@ def test_a_lease_is_dead_exactly_at_its_usable_end(nodes):
     lease = book.held("kv", pages[0])
     cluster.clock.advance(lease.usable_until(TIMING.lease_margin_s) - cluster.clock.now())
     assert not b.client.alive(lease) and book.held("kv", pages[0]) is None
+
+
+def test_booked_pages_count_on_a_later_query_without_a_source(nodes):
+    _, a, b, _, restorer = nodes
+    pages = sequence(3)
+    seed(a, pages, range(3))
+    seed(b, pages[:1], [0])
+    restorer.presence(pages, ["kv"], {"kv": Source(a.endpoint)}, evidence=["kv"])
+    assert restorer.booked == 2
+    again = restorer.presence(pages, ["kv"], {}, evidence=["kv"])  # no hint this time: the book still counts
+    assert again == {"kv": [True, True, True]} and a.runner.active_leases == 1
+
+
+def test_without_evidence_pools_every_page_may_be_leased(nodes):
+    _, a, _, _, restorer = nodes
+    pages = sequence(2)
+    seed(a, pages, [0, 1])
+    assert restorer.presence(pages, ["kv"], {"kv": Source(a.endpoint)}) == {"kv": [True, True]}
+
+
+def test_a_pool_without_a_source_does_not_stop_the_next_pool_from_leasing(nodes):
+    _, a, _, _, restorer = nodes
+    pages = sequence(2)
+    seed(a, pages, [0, 1], pool="indexer")
+    found = restorer.presence(pages, ["kv", "indexer"], {"kv": None, "indexer": Source(a.endpoint)}, evidence=[])
+    assert found == {"kv": [False, False], "indexer": [True, True]}
+    read = restorer.read(
+        {"kv": (pages, [1, 2]), "indexer": (pages, [3, 4])}, {"kv": None, "indexer": Source(a.endpoint)}
+    )
+    assert read.restored == {"kv": [False, False], "indexer": [True, True]}
+
+
+def test_a_dead_source_does_not_stop_the_next_source_from_leasing(nodes):
+    _, a, _, _, restorer = nodes
+    pages = sequence(1)
+    seed(a, pages, [0], pool="indexer")
+    sources = {"kv": Source("tcp://127.0.0.1:1"), "indexer": Source(a.endpoint)}
+    found = restorer.presence(pages, ["kv", "indexer"], sources, evidence=[])
+    assert found == {"kv": [False], "indexer": [True]}
+
+
+def test_a_restorer_with_a_client_but_no_book_answers_locally(nodes):
+    _, a, b, _, _ = nodes
+    seed(a, sequence(1), [0])
+    half = Restorer(b.runner, b.client, None)
+    assert half.presence(sequence(1), ["kv"], {"kv": Source(a.endpoint)}, evidence=["kv"]) == {"kv": [False]}
+    assert half.booked == 0
+
+
+def test_a_read_leases_only_what_the_hint_covers_and_reports_no_uncertainty(nodes):
+    _, a, _, _, restorer = nodes
+    pages = sequence(2)
+    seed(a, pages, [0, 1])
+    covered = Source(a.endpoint, frozenset({router_id(pages[0])}))
+    result = restorer.read({"kv": (pages, [5, 6])}, {"kv": covered})
+    assert result.restored == {"kv": [True, False]} and result.uncertain is None
+    dead = restorer.read({"kv": (pages, [5, 6])}, {"kv": Source("tcp://127.0.0.1:1")})
+    assert dead.restored == {"kv": [False, False]} and dead.uncertain is None
