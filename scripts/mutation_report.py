@@ -33,7 +33,8 @@ _HEADER = re.compile(r"^\[\[?([^\]]+)\]\]?\s*(#.*)?$")
 # mutmut's exit codes per mutant (mutmut/stats.py), grouped the way this report counts them.
 _KILLED = {1: "killed", 3: "killed", 37: "type check"}
 _TIMEOUT = {36, 24, -24, 152, 255}
-_CRASHED = {-11, -6}  # the test process died (SIGSEGV, SIGABRT): the suite failed, so the mutant is detected
+# The test process died (SIGSEGV, SIGABRT, or 75: kvcr's fail-stop ended it): the mutant is detected.
+_CRASHED = {-11, -6, 75}
 _SURVIVED = {0: "survived", 5: "no tests", 33: "no tests"}
 
 

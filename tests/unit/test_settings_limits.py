@@ -178,3 +178,16 @@ def test_the_settings_read_the_token_and_every_rotation_token(tmp_path):
     settings = parse_settings({"auth_token_file": main, "rotation_token_files": [old]})
     assert settings.token() == b"a" * 16 and settings.rotation_tokens() == (b"b" * 16,)
     assert parse_settings({}).token() is None and parse_settings({}).rotation_tokens() == ()
+
+
+def test_a_value_whose_repr_is_61_characters_is_cut():
+    value = "v" * 59  # repr: 61 characters
+    assert refusal({"landing": value}) == f"landing must be one of auto, direct, staged, got {repr(value)[:57]}..."
+
+
+def test_a_bad_dram_size_names_dram_bytes():
+    assert refusal({"dram_bytes": "lots"}) == "dram_bytes: cannot read 'lots' as a byte size (try '8GiB' or '512MiB')"
+
+
+def test_allowlist_networks_may_have_host_bits_set():
+    assert KvcrSettings(peer_allowlist=("10.0.0.1/8",)).allows("10.200.0.1")

@@ -286,3 +286,143 @@ def test_a_closed_backend_is_quiet_and_its_listener_is_gone():
     backend = sg.backend(host, sg.storage_config())
     backend.close()
     hints_bridge.prefetch_finished("nobody")  # no listener left to call
+
+
+# ---------------------------------------------------------------------------------------------- more edges
+
+
+def test_a_source_outside_the_allowlist_is_logged_saying_so(caplog):
+    fresh = HintReader(KvcrSettings(peer_allowlist=("10.0.0.0/8",)), InMemoryMetrics(strict=True))
+    with caplog.at_level(logging.INFO, logger="kvcr.integrations.sglang.hints"):
+        assert fresh.read(info(kv_hints=envelope(host="192.168.0.9"))) is None
+    assert "kvcr: ignoring a hint (source is not in peer_allowlist); serving from local DRAM only" in caplog.messages
+
+
+def test_every_storage_metric_is_bounded():
+    stats = StorageStats(True)
+    for i in range(MAX_SAMPLES + 1):
+        stats.prefetch(i, 1_000_000_000, 1.0)
+        stats.backup(i, 1_000_000_000, 1.0)
+    drained = stats.drain()
+    assert [len(samples) for samples in drained] == [MAX_SAMPLES] * 4
+
+
+def test_a_continuation_keeps_its_prefix_resident_under_pressure():
+    host = sg.mha_host("page_first")
+    backend = sg.backend(host, sg.storage_config(dram_bytes=4 * 4096))  # four 4 KiB pages
+    try:
+        keys = sg.hashes(4)
+        others = sg.hashes(1, start=9000)
+        assert backend.batch_set_v1(keys[:3], host.alloc(3 * sg.P)) == [True] * 3
+        assert backend.batch_set_v1(others, host.alloc(sg.P)) == [True]  # DRAM is full, the prefix is the oldest
+        continuation = HiCacheStorageExtraInfo(prefix_keys=keys[:3])
+        assert backend.batch_set_v1(keys[3:], host.alloc(sg.P), continuation) == [True]
+        assert backend.batch_exists(keys) == 4  # the other page made room, not the prefix this batch extends
+    finally:
+        backend.close()
+
+
+def test_a_backend_without_the_zero_copy_interface_is_refused_saying_what_to_add():
+    config = sg.storage_config(interface_v1=0)
+    with pytest.raises(Exception) as err:
+        KvcrHiCacheStorage(config, {})
+    assert str(err.value) == (
+        'kvcr needs the zero-copy interface: add "interface_v1": 1 to --hicache-storage-backend-extra-config'
+    )
+
+
+def test_without_a_control_port_the_backend_serves_no_port(store):
+    assert store.control_port == 0
+
+
+def test_v2_queries_may_name_the_kv_pool_itself_before_side_pools():
+    kv, indexer = sg.mha_host("page_first"), sg.mla_host("page_first")
+    backend = KvcrHiCacheStorage(sg.storage_config(), {})
+    backend.register_mem_pool_host(kv)
+    backend.register_mem_host_pool_v2(kv, PoolName.KV)
+    backend.register_mem_host_pool_v2(indexer, PoolName.INDEXER)
+    backend.on_host_pools_registered()
+    try:
+        keys = sg.hashes(2)
+        backend.batch_set_v1(keys, kv.alloc(2 * sg.P))
+        backend.batch_set_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys[:1], host_indices=indexer.alloc(sg.P))])
+        both = [
+            PoolTransfer(name=PoolName.KV, keys=None, host_indices=None, hit_policy=PoolHitPolicy.ALL_PAGES),
+            PoolTransfer(name=PoolName.INDEXER, keys=None, host_indices=None, hit_policy=PoolHitPolicy.ALL_PAGES),
+        ]
+        assert backend.batch_exists_v2(keys, both).kv_hit_pages == 1  # the indexer still gates the hit
+    finally:
+        backend.close()
+
+
+def test_the_flat_copy_path_of_a_one_component_pool():
+    import torch
+
+    host = sg.mla_host("page_first")
+    backend = sg.backend(host, sg.storage_config(mla=True))
+    try:
+        key = sg.hashes(1)[0]
+        src = host.alloc(sg.P)
+        sg.fill(host, src, seed=8)
+        page = host.get_data_page(int(src[0]), flat=True)
+        assert backend.set(key, page)
+        target = host.get_dummy_flat_data_page()
+        assert backend.get(key, target) is target and torch.equal(target, page)
+    finally:
+        backend.close()
+
+
+def test_backups_and_prefetches_report_a_plausible_bandwidth():
+    host = sg.mha_host("page_first")
+    backend = sg.backend(host, sg.storage_config(storage_metrics=True))
+    try:
+        keys = sg.hashes(4)
+        backend.batch_set_v1(keys, host.alloc(4 * sg.P))
+        backend.batch_get_v1(keys, host.alloc(4 * sg.P))
+        metrics = backend.get_stats()
+        assert metrics.backup_pgs == [4] and metrics.prefetch_pgs == [4]
+        for gbps in (*metrics.backup_bandwidth, *metrics.prefetch_bandwidth):
+            assert 1e-6 < gbps < 1e6  # 16 KiB moved in well under 16 s
+    finally:
+        backend.close()
+
+
+def test_v2_reads_skip_pools_kvcr_does_not_serve_and_read_the_rest(store):
+    keys = sg.hashes(2)
+    store.batch_set_v1(keys, store.host.alloc(2 * sg.P))
+    transfers = [
+        PoolTransfer(name=PoolName.MAMBA, keys=keys, host_indices=store.host.alloc(2 * sg.P)),
+        PoolTransfer(name=PoolName.KV, keys=keys, host_indices=store.host.alloc(2 * sg.P)),
+    ]
+    assert store.batch_get_v2(transfers) == {"mamba": [False, False], "kv": [True, True]}
+
+
+def test_the_copy_path_fills_the_targets_it_is_given_or_the_pools_own_page(store):
+    key = sg.hashes(1)[0]
+    page = store.host.get_data_page(int(store.host.alloc(sg.P)[0]), flat=True)
+    assert store.set(key, page)
+    target = store.host.get_dummy_flat_data_page()
+    assert store.batch_get([key], [target])[0] is target
+    assert store.get(key) is not None  # no target: the host pool's own spare page
+
+
+def test_a_closed_backend_leaves_the_bridge_and_its_port(monkeypatch):
+    port = sg.free_port()
+    backend = sg.backend(sg.mha_host("page_first"), sg.storage_config(control_port=port))
+    backend.close()
+    calls = []
+    monkeypatch.setattr(backend, "on_prefetch_finished", calls.append)
+    hints_bridge.prefetch_finished("r")
+    assert calls == []
+    again = sg.backend(sg.mha_host("page_first"), sg.storage_config(control_port=port))  # the port is free again
+    again.close()
+
+
+def test_a_thread_that_serves_no_request_has_no_current_hint():
+    import threading
+
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append((hints_bridge.current(), hints_bridge.current_request())))
+    worker.start()
+    worker.join(5)
+    assert seen == [(None, None)]
