@@ -12,7 +12,7 @@
 #   * prometheus-client (kvcr's metrics) and matplotlib (benchmark figures),
 #   * ai-dynamo 1.6.1 (--no-deps: frontend, Python backend API, SGLang worker) + the deps those import,
 #   * rich and matplotlib (the demo's progress, table and plot),
-#   * test / lint tools,
+#   * test / lint tools (mutmut: scripts/mutation.sh),
 #   * the kvcr package itself (editable, --no-deps) once <repo>/pyproject.toml exists.
 #
 # Idempotent: stamp files in the venv record the hash of this script + constraints.txt and of
@@ -136,7 +136,7 @@ log "resolved packages"
     ai-dynamo-runtime setuptools \
     msgpack dependency-injector \
     xxhash prometheus-client matplotlib build \
-    pytest pytest-mock pytest-timeout hypothesis ruff mypy import-linter
+    pytest pytest-mock pytest-timeout hypothesis ruff mypy import-linter mutmut
 
 # 3b. Dynamo's Python package, --no-deps: it requires aisimulate, whose sdist downloads a wheel from
 #     outside the package index (only Dynamo's planner imports it). Then what the frontend, the

@@ -535,7 +535,7 @@ class KvcrRunner:
             del state.entries[page_hash]
             state.policy.remove(page_hash)
             self._inventory.publish(InventoryEvent(InventoryKind.REMOVED, state.spec.name, (page_hash,)))
-        if entry.claims == 0 and entry.state is not _DISCARDING:
+        if entry.claims == 0:  # the last reader: free the slot, also when an earlier reader marked it DISCARDING
             self._free_slot(state, entry)
         elif entry.state is not _DISCARDING:
             entry.state = check_transition(entry.state, _DISCARDING)

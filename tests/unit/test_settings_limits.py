@@ -1,0 +1,193 @@
+"""The backend's settings at their limits: the exact line an operator reads, and the values just inside."""
+
+import os
+
+import pytest
+
+from kvcr.domain.errors import ConfigError
+from kvcr.integrations.shared.settings import KvcrSettings, parse_settings, read_token_file
+
+KNOWN = (
+    "abandon_timeout_ms, allow_unauthenticated, auth_token_file, connect_timeout_ms, control_advertise_host, "
+    "control_host, control_port, control_timeout_ms, dram_bytes, enable_remote_hint, kv_events_endpoint, "
+    "kv_events_topic, landing, lease_ms, max_peer_links, operation_timeout_ms, peer_allowlist, peer_retry_ms, "
+    "policy, read_batch_pages, recompute_tokens_per_s, rotation_token_files, transport, verify_bytes"
+)
+
+
+def refusal(extra):
+    with pytest.raises(ConfigError) as err:
+        parse_settings(extra)
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"typo": 1}, f"unknown kvcr setting 'typo'; known settings: {KNOWN}"),
+        ({"control_port": "80"}, "kvcr setting 'control_port' must be int, got '80'"),
+        ({"control_port": True}, "kvcr setting 'control_port' must be int, got True"),
+        ({"verify_bytes": 1}, "kvcr setting 'verify_bytes' must be bool, got 1"),
+        ({"auth_token_file": 3}, "kvcr setting 'auth_token_file' must be str or null, got 3"),
+        ({"recompute_tokens_per_s": "x"}, "kvcr setting 'recompute_tokens_per_s' must be int or float, got 'x'"),
+        ({"peer_allowlist": ["ok", ""]}, "peer_allowlist entries must be non-empty strings, got ''"),
+        ({"transport": "rdma"}, "transport must be one of nixl, ucx, mock, got 'rdma'"),
+        ({"dram_bytes": 0}, "dram_bytes must be positive"),
+        ({"control_port": -1}, "control_port must be in 0..65535 (0 disables the peer service), got -1"),
+        ({"control_port": 65536}, "control_port must be in 0..65535 (0 disables the peer service), got 65536"),
+        ({"operation_timeout_ms": 0}, "operation_timeout_ms must be in 1..3600000, got 0"),
+        ({"lease_ms": 3600001}, "lease_ms must be in 1..3600000, got 3600001"),
+        ({"peer_retry_ms": 0}, "peer_retry_ms must be in 1..3600000, got 0"),
+        ({"peer_retry_ms": 3600001}, "peer_retry_ms must be in 1..3600000, got 3600001"),
+        ({"read_batch_pages": 0}, "read_batch_pages must be in 1..65536, got 0"),
+        ({"max_peer_links": 65537}, "max_peer_links must be in 1..65536, got 65537"),
+        ({"recompute_tokens_per_s": -0.5}, "recompute_tokens_per_s must be a finite number >= 0, got -0.5"),
+        ({"landing": "sideways"}, "landing must be one of auto, direct, staged, got 'sideways'"),
+        ({"policy": "random"}, "policy must be one of fifo, lru, got 'random'"),
+        (
+            {"rotation_token_files": ["/t"]},
+            "rotation_token_files needs auth_token_file (the token this node binds with)",
+        ),
+        (
+            {"enable_remote_hint": True, "control_port": 0},
+            "enable_remote_hint needs a control_port (peers and hints name control endpoints)",
+        ),
+    ],
+)
+def test_each_bad_setting_gets_its_own_line(extra, message):
+    assert refusal(extra) == message
+
+
+def test_long_values_are_cut_to_60_characters():
+    shown = refusal({"landing": "z" * 70})
+    assert shown == f"landing must be one of auto, direct, staged, got {repr('z' * 70)[:57]}..."
+    exact = "w" * 58  # its repr is 60 characters: shown whole
+    assert refusal({"landing": exact}) == f"landing must be one of auto, direct, staged, got {exact!r}"
+
+
+def test_settings_at_their_limits_are_accepted():
+    edge = parse_settings(
+        {
+            "control_port": 65535,
+            "operation_timeout_ms": 3600000,
+            "abandon_timeout_ms": 3600000,
+            "control_timeout_ms": 1,
+            "connect_timeout_ms": 1,
+            "lease_ms": 3600000,
+            "peer_retry_ms": 3600000,
+            "read_batch_pages": 65536,
+            "max_peer_links": 1,
+            "recompute_tokens_per_s": 0,
+            "dram_bytes": 1,
+        }
+    )
+    assert (edge.control_port, edge.read_batch_pages, edge.max_peer_links, edge.dram_bytes) == (65535, 65536, 1, 1)
+    assert parse_settings({"control_port": 0}).control_port == 0
+    assert parse_settings({"peer_retry_ms": 1}).peer_retry_ms == 1
+    assert parse_settings({"recompute_tokens_per_s": 2.5}).recompute_tokens_per_s == 2.5
+    assert parse_settings({"peer_allowlist": ["a", "b"]}).peer_allowlist == ("a", "b")
+
+
+def test_timings_are_converted_once_and_the_lease_margin_is_at_most_half_a_second():
+    timing = KvcrSettings(
+        operation_timeout_ms=2000, abandon_timeout_ms=3000, control_timeout_ms=100, connect_timeout_ms=700
+    ).timing()
+    assert (timing.operation_s, timing.abandon_s, timing.control_s, timing.connect_s) == (2.0, 3.0, 0.1, 0.7)
+    assert (timing.lease_s, timing.lease_margin_s, timing.retry_after_s) == (10.0, 0.5, 1.0)
+    short = KvcrSettings(lease_ms=1000, peer_retry_ms=250).timing()
+    assert (short.lease_s, short.lease_margin_s, short.retry_after_s) == (1.0, 0.25, 0.25)
+
+
+# ---------------------------------------------------------------------------------------------- events endpoint
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "message"),
+    [
+        ("ipc:///tmp/x", "kv_events_endpoint must be tcp://host:port, got 'ipc:///tmp/x'"),
+        ("tcp://h:0", "kv_events_endpoint: endpoint port 0 is outside 1..65535"),
+        ("tcp://h", "kv_events_endpoint: endpoint 'tcp://:h' is not host:port"),
+        ("tcp://h:x", "kv_events_endpoint: endpoint 'tcp://h:x' has no numeric port"),
+        ("tcp://h:1:2", "kv_events_endpoint: endpoint 'tcp://h:1:2' is not host:port"),
+    ],
+)
+def test_a_bad_events_endpoint_is_refused_saying_why(endpoint, message):
+    assert refusal({"kv_events_endpoint": endpoint}) == message
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557", "tcp://10.0.0.1:5557"])
+def test_an_events_endpoint_may_bind_a_wildcard(endpoint):
+    assert parse_settings({"kv_events_endpoint": endpoint}).kv_events_endpoint == endpoint
+
+
+# ---------------------------------------------------------------------------------------------- allowlist
+
+
+def test_the_allowlist_matches_addresses_networks_and_names_exactly():
+    settings = KvcrSettings(peer_allowlist=("10.0.0.0/8", "fd00::/8", "replica-b", "not/a/network"))
+    assert settings.allows("10.9.9.9") and settings.allows("[fd00::5]") and settings.allows("fd00::5")
+    assert settings.allows("replica-b") and not settings.allows("replica-c")
+    assert not settings.allows("11.0.0.1") and not settings.allows("[fe80::1]")
+    assert settings.allows("not/a/network")  # an entry that is no network still matches its own text
+    assert not KvcrSettings(peer_allowlist=("replica-b",)).allows("10.0.0.1")
+    assert KvcrSettings(peer_allowlist=("10.0.0.7",)).allows("10.0.0.7")
+
+
+# ---------------------------------------------------------------------------------------------- token files
+
+
+def token_file(tmp_path, data, mode=0o600, name="token"):
+    path = tmp_path / name
+    path.write_bytes(data)
+    os.chmod(path, mode)
+    return str(path)
+
+
+def test_token_file_refusals_say_what_to_do(tmp_path):
+    loose = token_file(tmp_path, b"0123456789abcdef", 0o640)
+    with pytest.raises(ConfigError) as err:
+        read_token_file(loose)
+    assert str(err.value) == (
+        f"auth_token_file {loose!r} is readable or writable by group or others (mode 640); chmod 600 it"
+    )
+    big = token_file(tmp_path, b"x" * 4097, name="big")
+    with pytest.raises(ConfigError) as err:
+        read_token_file(big)
+    assert str(err.value) == f"auth_token_file {big!r} is larger than 4096 bytes"
+    short = token_file(tmp_path, b"x" * 15, name="short")
+    with pytest.raises(ConfigError) as err:
+        read_token_file(short)
+    assert str(err.value) == f"auth_token_file {short!r}: the token must be at least 16 bytes"
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ConfigError) as err:
+        read_token_file(missing)
+    assert str(err.value) == f"auth_token_file {missing!r}: cannot read it: No such file or directory"
+    with pytest.raises(ConfigError) as err:
+        read_token_file(str(tmp_path))
+    assert str(err.value) == f"auth_token_file {str(tmp_path)!r} is not a regular file"
+
+
+def test_token_files_of_exactly_the_limits_are_read(tmp_path):
+    assert read_token_file(token_file(tmp_path, b"x" * 4096)) == b"x" * 4096
+    assert read_token_file(token_file(tmp_path, b"y" * 16 + b"\n", name="min")) == b"y" * 16
+
+
+def test_the_settings_read_the_token_and_every_rotation_token(tmp_path):
+    main = token_file(tmp_path, b"a" * 16, name="main")
+    old = token_file(tmp_path, b"b" * 16, name="old")
+    settings = parse_settings({"auth_token_file": main, "rotation_token_files": [old]})
+    assert settings.token() == b"a" * 16 and settings.rotation_tokens() == (b"b" * 16,)
+    assert parse_settings({}).token() is None and parse_settings({}).rotation_tokens() == ()
+
+
+def test_a_value_whose_repr_is_61_characters_is_cut():
+    value = "v" * 59  # repr: 61 characters
+    assert refusal({"landing": value}) == f"landing must be one of auto, direct, staged, got {repr(value)[:57]}..."
+
+
+def test_a_bad_dram_size_names_dram_bytes():
+    assert refusal({"dram_bytes": "lots"}) == "dram_bytes: cannot read 'lots' as a byte size (try '8GiB' or '512MiB')"
+
+
+def test_allowlist_networks_may_have_host_bits_set():
+    assert KvcrSettings(peer_allowlist=("10.0.0.1/8",)).allows("10.200.0.1")
