@@ -295,16 +295,22 @@ class PeerClient:
                 outcomes[item.pool][item.index] = outcome
             if not moved:
                 break  # the rest stays a miss: do not pile transfers on a failing peer
-        self._count(outcomes, requests)
+        self._count(outcomes, requests, lease)
         self._metrics.observe(M.RESTORE_SECONDS, self._clock.now() - now, {"path": Path.REMOTE_RESTORE})
         return outcomes
 
-    def _count(self, outcomes: dict[str, list[PageOutcome]], requests: Sequence[PoolRead]) -> None:
+    def _count(self, outcomes: dict[str, list[PageOutcome]], requests: Sequence[PoolRead], lease: RemoteLease) -> None:
+        """Count each page's outcome once: pages of a linked pool the lease lacks were counted at grant."""
         metrics = self._metrics
+        leased = lease.slots
+        linked = lease.link.pools if lease.link is not None else {}
         for request in requests:
             page_bytes = self._page_bytes.get(request.pool, 0)
             tally: dict[Result, int] = {}
-            for outcome in outcomes.get(request.pool, ()):
+            pool = request.pool
+            for page, outcome in zip(request.page_hashes, outcomes.get(pool, ()), strict=False):
+                if pool in linked and (pool, page) not in leased:
+                    continue
                 result = _RESULTS[outcome.outcome]
                 tally[result] = tally.get(result, 0) + 1
             for result, pages in tally.items():

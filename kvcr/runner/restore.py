@@ -118,11 +118,26 @@ class Restorer:
             done = [o.restored for o in outcomes]
             restored[pool] = done
             if self._client is not None and not all(done):
-                missing = [i for i, ok in enumerate(done) if not ok]
-                remote[pool] = ([keys[i] for i in missing], [slots[i] for i in missing], missing)
+                reach = self._reach(pool, keys, done, sources.get(pool))
+                missing = [i for i in range(reach) if not done[i]]
+                if missing:
+                    remote[pool] = ([keys[i] for i in missing], [slots[i] for i in missing], missing)
         if not remote:
             return ReadResult(restored)
         return self._read_remote(remote, restored, sources)
+
+    def _reach(self, pool: str, keys: Sequence[str], done: Sequence[bool], source: Source | None) -> int:
+        """How far a pool's read may go: up to the first page neither restored, booked nor covered."""
+        book = self._book
+        for i, page in enumerate(keys):
+            if done[i]:
+                continue
+            if book is not None and book.held(pool, page) is not None:
+                continue
+            if source is not None and source.covers(page):
+                continue
+            return i
+        return len(keys)
 
     def _read_remote(
         self,

@@ -280,11 +280,6 @@ def test_a_released_lease_sends_one_release(cluster):
     assert lease.released and a.control.requests_served == served + 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a page the source no longer holds is counted twice in kvcr_pages_total{remote_restore,miss}: "
-    "once by PeerClient._granted (stale hint) and again by PeerClient._count (its MISS outcome)",
-)
 def test_a_stale_page_is_one_miss(cluster):
     a, b = cluster.make("A"), cluster.make("B")
     pages = sequence(3)

@@ -67,11 +67,6 @@ def test_a_hint_with_a_hole_hits_only_up_to_the_hole(replicas):
     assert a.runner.active_leases == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Restorer.read leases and reads hinted pages past the first page available nowhere, "
-    "though kvcr/runner/restore.py says reads never go past it (the engine consumes only the leading run)",
-)
 def test_a_read_never_goes_past_the_first_page_available_nowhere(replicas):
     a, hosts_a, port_a = replicas()
     b, hosts_b, _ = replicas()
