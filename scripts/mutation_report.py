@@ -36,6 +36,7 @@ _TIMEOUT = {36, 24, -24, 152, 255}
 # The test process died (SIGSEGV, SIGABRT, or 75: kvcr's fail-stop ended it): the mutant is detected.
 _CRASHED = {-11, -6, 75}
 _SURVIVED = {0: "survived", 5: "no tests", 33: "no tests"}
+_DETECTED = frozenset({"killed", "type check", "timeout", "crashed"})
 
 
 def _packages() -> dict[str, dict[str, object]]:
@@ -80,14 +81,27 @@ def _functions(mutated: Path) -> dict[str, str]:
     """Source of every top-level function and method in a mutated file, by mutmut's mangled name."""
     text = mutated.read_text()
     tree = ast.parse(text)
+    lines = text.splitlines()  # once: ast.get_source_segment splits the whole file on every call
+
+    def segment(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+        # what get_source_segment returns: from col_offset on the first line to end_col_offset on
+        # the last (offsets count UTF-8 bytes)
+        first, last = node.lineno - 1, (node.end_lineno or node.lineno) - 1
+        end_col = node.end_col_offset if node.end_col_offset is not None else len(lines[last].encode())
+        if first == last:
+            return lines[first].encode()[node.col_offset : end_col].decode()
+        head = lines[first].encode()[node.col_offset :].decode()
+        tail = lines[last].encode()[:end_col].decode()
+        return "\n".join([head, *lines[first + 1 : last], tail])
+
     found: dict[str, str] = {}
     for node in tree.body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            found[node.name] = ast.get_source_segment(text, node) or ""
+            found[node.name] = segment(node)
         elif isinstance(node, ast.ClassDef):
             for item in node.body:
                 if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
-                    found[item.name] = ast.get_source_segment(text, item) or ""
+                    found[item.name] = segment(item)
     return found
 
 
@@ -114,8 +128,11 @@ def collect(workdir: Path) -> list[Mutant]:
             status = _status(code)
             base = mangled.rsplit("__mutmut_", 1)[0]
             mutated = functions.get(mangled, "")
-            original = functions.get(base + "__mutmut_orig", "").replace(base + "__mutmut_orig", mangled)
-            found.append(Mutant(name, source, status, _fingerprint(mutated, mangled), _diff(original, mutated)))
+            diff = ""
+            if status not in _DETECTED:  # only a mutant left standing is shown with its change
+                original = functions.get(base + "__mutmut_orig", "").replace(base + "__mutmut_orig", mangled)
+                diff = _diff(original, mutated)
+            found.append(Mutant(name, source, status, _fingerprint(mutated, mangled), diff))
     return found
 
 
@@ -155,7 +172,7 @@ def report(package: str, workdir: Path, check: bool, diffs: bool = False) -> int
         return 1
     listed = equivalents()
     counts = Counter(m.status for m in mutants)
-    detected = {"killed", "type check", "timeout", "crashed"}
+    detected = _DETECTED
     equivalent = [m for m in mutants if m.status not in detected and listed.get(m.name, ("",))[0] == m.fingerprint]
     stale = [m for m in mutants if m.name in listed and listed[m.name][0] != m.fingerprint]
     open_ = [m for m in mutants if m.status not in detected and m not in equivalent]

@@ -288,6 +288,25 @@ def test_a_stale_page_is_one_miss(cluster):
     assert misses(b) == 1
 
 
+def test_a_stale_page_ahead_of_held_ones_is_one_miss_and_the_rest_count_as_restored(cluster):
+    a, b = cluster.make("A"), cluster.make("B")
+    pages = sequence(3)
+    seed(a, pages[1:], [1, 2])  # the first page is gone from the source
+    result = b.client.restore(a.endpoint, [PoolRead("kv", pages, [5, 6, 7])])
+    assert reasons(result) == ["source does not hold it", None, None]
+    assert misses(b) == 1
+    assert counter(b, "kvcr_pages_total{outcome=ok,path=remote_restore}") == 2
+
+
+def test_pages_of_a_pool_the_source_lacks_are_counted_as_misses_at_read(cluster):
+    a, b = cluster.make("A"), cluster.make("B")
+    pages = sequence(2)
+    seed(a, pages, [0, 1])
+    lease = b.client.lease(a.endpoint, [("kv", pages)])
+    b.client.read(lease, [PoolRead("kv", pages, [5, 6]), PoolRead("nothing", pages, [7, 8])])
+    assert misses(b) == 2  # the two pages of the pool A does not have; the leased ones were read
+
+
 # ---------------------------------------------------------------------------------------------- reads
 
 

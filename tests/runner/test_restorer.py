@@ -374,3 +374,63 @@ def test_a_read_leases_only_what_the_hint_covers_and_reports_no_uncertainty(node
     assert result.restored == {"kv": [True, False]} and result.uncertain is None
     dead = restorer.read({"kv": (pages, [5, 6])}, {"kv": Source("tcp://127.0.0.1:1")})
     assert dead.restored == {"kv": [False, False]} and dead.uncertain is None
+
+
+# ---------------------------------------------------------------------------------------------- how far a read goes
+
+
+def test_a_read_stops_at_the_first_page_available_nowhere(nodes):
+    _, a, b, _, restorer = nodes
+    pages = sequence(3)
+    seed(a, pages, range(3))
+    holed = Source(a.endpoint, frozenset({router_id(pages[0]), router_id(pages[2])}))
+    served = a.metrics.snapshot().get("kvcr_pages_total{outcome=ok,path=served}", 0)
+    result = restorer.read({"kv": (pages, [40, 41, 42])}, {"kv": holed})
+    assert result.restored == {"kv": [True, False, False]}
+    assert host_bytes(b, "kv", 42) != expected(pages[2], "kv")  # the page past the hole was not read
+    assert a.metrics.snapshot().get("kvcr_pages_total{outcome=ok,path=served}", 0) == served + 1
+
+
+def test_a_local_page_does_not_end_a_read(nodes):
+    _, a, b, _, restorer = nodes
+    pages = sequence(3)
+    seed(a, [pages[0], pages[2]], [0, 2])
+    seed(b, [pages[1]], [1])
+    covered = Source(a.endpoint, frozenset({router_id(pages[0]), router_id(pages[2])}))
+    result = restorer.read({"kv": (pages, [40, 41, 42])}, {"kv": covered})
+    assert result.restored == {"kv": [True, True, True]}
+    assert [host_bytes(b, "kv", s) for s in (40, 41, 42)] == [expected(p, "kv") for p in pages]
+
+
+@pytest.mark.parametrize("later_source", ["narrower hint", "no source"])
+def test_booked_pages_are_read_even_where_the_reads_hint_does_not_cover_them(nodes, later_source):
+    _, a, b, _, restorer = nodes
+    pages = sequence(3)
+    seed(a, pages, range(3))
+    restorer.presence(pages, ["kv"], {"kv": Source(a.endpoint)}, request="r", evidence=["kv"])
+    narrower = Source(a.endpoint, frozenset({router_id(pages[0])})) if later_source == "narrower hint" else None
+    result = restorer.read({"kv": (pages, [40, 41, 42])}, {"kv": narrower})
+    assert result.restored == {"kv": [True, True, True]}
+    assert [host_bytes(b, "kv", s) for s in (40, 41, 42)] == [expected(p, "kv") for p in pages]
+    assert a.runner.active_leases == 0
+
+
+def test_a_hole_after_a_local_page_still_ends_the_read(nodes):
+    _, a, b, _, restorer = nodes
+    pages = sequence(3)
+    seed(a, [pages[2]], [2])
+    seed(b, [pages[0]], [0])
+    holed = Source(a.endpoint, frozenset({router_id(pages[2])}))
+    assert restorer.read({"kv": (pages, [40, 41, 42])}, {"kv": holed}).restored == {"kv": [True, False, False]}
+    assert a.runner.active_leases == 0
+
+
+def test_a_hole_after_a_booked_page_still_ends_the_read(nodes):
+    _, a, _, _, restorer = nodes
+    pages = sequence(3)
+    seed(a, [pages[0], pages[2]], [0, 2])
+    first = Source(a.endpoint, frozenset({router_id(pages[0])}))
+    restorer.presence(pages, ["kv"], {"kv": first}, request="r", evidence=["kv"])
+    holed = Source(a.endpoint, frozenset({router_id(pages[0]), router_id(pages[2])}))
+    assert restorer.read({"kv": (pages, [40, 41, 42])}, {"kv": holed}).restored == {"kv": [True, False, False]}
+    assert a.runner.active_leases == 0

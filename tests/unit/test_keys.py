@@ -1,13 +1,16 @@
 import hashlib
+import re
 import struct
 
 import pytest
 
+import kvcr.domain.keys as keys_module
 from kvcr.domain.errors import InvalidKeyError
 from kvcr.domain.keys import (
     NamespaceSpec,
     ShardIdentity,
     check_page_hash,
+    check_page_hashes,
     i64_to_u64,
     page_hash,
     page_hashes,
@@ -117,3 +120,24 @@ def test_a_malformed_pool_name_cannot_enter_a_namespace():
 def test_bad_shard_identity_is_rejected():
     with pytest.raises(InvalidKeyError):
         ShardIdentity(2, 2)
+
+
+def test_a_batch_of_page_hashes_is_refused_naming_its_first_bad_key():
+    good = [hashlib.sha256(bytes([i])).hexdigest() for i in range(3)]
+    check_page_hashes(good)
+    check_page_hashes([])
+    for bad in ("z" * 64, "A" * 64, "a" * 63, "a" * 65, " " + "a" * 63):
+        with pytest.raises(InvalidKeyError, match=re.escape(repr(bad))):
+            check_page_hashes([good[0], bad, good[1]])
+    with pytest.raises(InvalidKeyError, match="got 7"):
+        check_page_hashes([good[0], 7])  # type: ignore[list-item]
+
+
+def test_a_valid_batch_is_checked_in_one_pass_not_key_by_key(mocker):
+    # The per-key check runs only to name a bad key: the batch check is on every backup's hot path.
+    per_key = mocker.patch("kvcr.domain.keys.check_page_hash", wraps=keys_module.check_page_hash)
+    check_page_hashes([hashlib.sha256(bytes([i])).hexdigest() for i in range(4)])
+    assert per_key.call_count == 0
+    with pytest.raises(InvalidKeyError):
+        check_page_hashes(["a" * 64, "q" * 64])
+    assert per_key.call_count == 2

@@ -68,3 +68,8 @@ def test_slot_runs_do_not_join_pairs_adjacent_on_one_side_only():
 def test_slot_runs_never_merge_a_repeated_slot():
     assert slot_runs([(0, 0), (0, 0), (2, 2)]) == [(0, 0, 1), (0, 0, 1), (2, 2, 1)]
     assert slot_runs([(5, 0), (6, 1), (7, 2)]) == [(5, 0, 3)]
+
+
+def test_slot_runs_never_join_a_source_that_runs_backwards():
+    assert slot_runs([(5, 0), (4, 1)]) == [(5, 0, 1), (4, 1, 1)]
+    assert slot_runs([(9, 2), (8, 3), (7, 4)]) == [(9, 2, 1), (8, 3, 1), (7, 4, 1)]
