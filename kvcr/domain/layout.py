@@ -13,8 +13,19 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvcr.domain.errors import LayoutError
+
+
+class Pieces(Protocol):
+    """What a run is checked against: a region's piece count and size (a descriptor or its wire form)."""
+
+    @property
+    def count(self) -> int: ...
+
+    @property
+    def piece_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +133,20 @@ class PieceRun:
     dst: int
     dst_first: int
     count: int = 1
+
+    def misfit(self, src: Pieces, dst: Pieces) -> str | None:
+        """Why this run cannot move between ``src`` and ``dst`` (other piece sizes, out of bounds), or None."""
+        if src.piece_bytes != dst.piece_bytes:
+            return f"run {self}: piece sizes differ ({src.piece_bytes} vs {dst.piece_bytes})"
+        if (
+            self.count <= 0
+            or self.src_first < 0
+            or self.dst_first < 0
+            or self.src_first + self.count > src.count
+            or self.dst_first + self.count > dst.count
+        ):
+            return f"run {self} is out of the registered bounds"
+        return None
 
 
 def slot_runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:

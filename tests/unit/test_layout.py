@@ -1,7 +1,7 @@
 import pytest
 
 from kvcr.domain.errors import LayoutError
-from kvcr.domain.layout import ComponentSpec, RegionDescriptor, check_disjoint, slot_runs
+from kvcr.domain.layout import ComponentSpec, PieceRun, RegionDescriptor, check_disjoint, slot_runs
 
 
 def region(label, base, stride=100, count=10, piece=100):
@@ -73,3 +73,15 @@ def test_slot_runs_never_merge_a_repeated_slot():
 def test_slot_runs_never_join_a_source_that_runs_backwards():
     assert slot_runs([(5, 0), (4, 1)]) == [(5, 0, 1), (4, 1, 1)]
     assert slot_runs([(9, 2), (8, 3), (7, 4)]) == [(9, 2, 1), (8, 3, 1), (7, 4, 1)]
+
+
+def test_a_piece_run_says_why_it_does_not_fit_its_regions():
+    src = RegionDescriptor("src", 0x1000, 64, 4, 64)
+    dst = RegionDescriptor("dst", 0x9000, 64, 8, 64)
+    assert PieceRun(0, 0, 1, 4, 4).misfit(src, dst) is None  # exactly up to both ends
+    assert PieceRun(0, 1, 1, 0, 4).misfit(src, dst) == f"run {PieceRun(0, 1, 1, 0, 4)} is out of the registered bounds"
+    assert PieceRun(0, 0, 1, 5, 4).misfit(src, dst) is not None  # past the destination's end
+    for bad in (PieceRun(0, 0, 1, 0, 0), PieceRun(0, -1, 1, 0, 1), PieceRun(0, 0, 1, -1, 1)):
+        assert bad.misfit(src, dst) == f"run {bad} is out of the registered bounds"
+    wide = RegionDescriptor("wide", 0x20000, 128, 8, 128)
+    assert PieceRun(0, 0, 1, 0, 1).misfit(src, wide) == f"run {PieceRun(0, 0, 1, 0, 1)}: piece sizes differ (64 vs 128)"

@@ -241,16 +241,9 @@ def _resolve(
         dst = mine.exposed.get(run.dst) or mine.private.get(run.dst)
         if dst is None:
             raise TransportError(f"{name} has no registered region {run.dst}")
-        if src.piece_bytes != dst.piece_bytes:
-            raise TransportError(f"run {run}: piece sizes differ ({src.piece_bytes} vs {dst.piece_bytes})")
-        if (
-            run.count <= 0
-            or run.src_first < 0
-            or run.dst_first < 0
-            or run.src_first + run.count > src.count
-            or run.dst_first + run.count > dst.count
-        ):
-            raise TransportError(f"run {run} is out of the registered bounds")
+        misfit = run.misfit(src, dst)
+        if misfit is not None:
+            raise TransportError(misfit)
         if src.dense and dst.dense:
             moves.append((dst.address(run.dst_first), src.address(run.src_first), run.count * src.piece_bytes))
         else:

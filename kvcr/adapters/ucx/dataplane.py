@@ -451,16 +451,9 @@ class UcxDataPlane:
             dst = self._exposed.get(run.dst) or self._private.get(run.dst)
             if dst is None:
                 raise TransportError(f"run {run}: {self._name} has no registered region {run.dst}")
-            if src.piece_bytes != dst.piece_bytes:
-                raise TransportError(f"run {run}: piece sizes differ ({src.piece_bytes} vs {dst.piece_bytes})")
-            if (
-                run.count <= 0
-                or run.src_first < 0
-                or run.dst_first < 0
-                or run.src_first + run.count > src.count
-                or run.dst_first + run.count > dst.count
-            ):
-                raise TransportError(f"run {run} is out of the registered bounds")
+            misfit = run.misfit(src, dst)
+            if misfit is not None:
+                raise TransportError(misfit)
             split = run.count > 1 and not (src.dense and dst.dense)
             if split:
                 segments.extend((dst.address(run.dst_first + k), dst.piece_bytes) for k in range(run.count))
