@@ -79,9 +79,18 @@ def test_a_piece_run_says_why_it_does_not_fit_its_regions():
     src = RegionDescriptor("src", 0x1000, 64, 4, 64)
     dst = RegionDescriptor("dst", 0x9000, 64, 8, 64)
     assert PieceRun(0, 0, 1, 4, 4).misfit(src, dst) is None  # exactly up to both ends
+    assert PieceRun(0, 0, 1, 0, 4).misfit(src, dst) is None  # from both starts
     assert PieceRun(0, 1, 1, 0, 4).misfit(src, dst) == f"run {PieceRun(0, 1, 1, 0, 4)} is out of the registered bounds"
     assert PieceRun(0, 0, 1, 5, 4).misfit(src, dst) is not None  # past the destination's end
     for bad in (PieceRun(0, 0, 1, 0, 0), PieceRun(0, -1, 1, 0, 1), PieceRun(0, 0, 1, -1, 1)):
         assert bad.misfit(src, dst) == f"run {bad} is out of the registered bounds"
     wide = RegionDescriptor("wide", 0x20000, 128, 8, 128)
     assert PieceRun(0, 0, 1, 0, 1).misfit(src, wide) == f"run {PieceRun(0, 0, 1, 0, 1)}: piece sizes differ (64 vs 128)"
+
+
+def test_an_overlap_after_a_disjoint_first_region_is_still_found():
+    first = RegionDescriptor("a", 0, 10, 1, 10)
+    second = RegionDescriptor("b", 20, 10, 1, 10)
+    third = RegionDescriptor("c", 25, 10, 1, 10)
+    with pytest.raises(LayoutError, match="'b' and 'c' overlap"):
+        check_disjoint([first, second, third])
