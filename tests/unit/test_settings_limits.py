@@ -133,6 +133,13 @@ def test_the_allowlist_matches_addresses_networks_and_names_exactly():
     assert KvcrSettings(peer_allowlist=("10.0.0.7",)).allows("10.0.0.7")
 
 
+def test_an_ipv6_address_written_in_brackets_is_allowed_as_written():
+    bracketed = KvcrSettings(peer_allowlist=("[fd00::7]",))  # as it appears in a tcp:// endpoint
+    assert bracketed.allows("[fd00::7]") and bracketed.allows("fd00::7")
+    assert not bracketed.allows("[fd00::8]")
+    assert KvcrSettings(peer_allowlist=("[fd00::/16]",)).allows("fd00::1")
+
+
 # ---------------------------------------------------------------------------------------------- token files
 
 

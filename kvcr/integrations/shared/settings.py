@@ -101,11 +101,11 @@ class KvcrSettings:
             return host in self.peer_allowlist
         for entry in self.peer_allowlist:
             try:
-                if address in ipaddress.ip_network(entry, strict=False):
+                # an IPv6 entry may be written as in an endpoint, in brackets
+                if address in ipaddress.ip_network(entry.strip("[]"), strict=False):
                     return True
             except ValueError:
-                if entry == host:
-                    return True
+                continue  # a host name: never the text of an address
         return False
 
 
