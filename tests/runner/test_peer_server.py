@@ -208,6 +208,42 @@ def test_a_session_is_dropped_once_it_has_used_too_many_nonces(source, monkeypat
     assert ask(source, Lease(nonce(), session, 1000, [(1, sequence(1))])).code == RefusalCode.UNKNOWN_SESSION
 
 
+def budgeted(source, max_tracked):
+    server = PeerServer(source.runner, source.plane, source.ids, InMemoryMetrics(), max_tracked_nonces=max_tracked)
+    server.runner = source.runner
+    return server
+
+
+def lease_once(server, session):
+    return ask(server, Lease(nonce(), session, 1000, [(1, sequence(1))]))
+
+
+def test_the_nonce_budget_drops_the_least_recently_used_session_first(source):
+    store(source, sequence(1))
+    server = budgeted(source, 4)
+    s1, s2, s3 = (hello(server).session for _ in range(3))
+    for session in (s1, s1, s2, s2):
+        assert isinstance(lease_once(server, session), LeaseReply)
+    assert server.tracked_nonces == 4  # at the budget: nothing dropped yet
+    assert isinstance(lease_once(server, s3), LeaseReply)
+    assert server.tracked_nonces == 3  # s1, used least recently, was dropped with its two nonces
+    assert lease_once(server, s1).code == RefusalCode.UNKNOWN_SESSION
+    assert isinstance(lease_once(server, s2), LeaseReply)  # 4 again
+    assert isinstance(lease_once(server, s3), LeaseReply)  # 5: s2 is now the least recently used
+    assert server.tracked_nonces == 2
+    assert lease_once(server, s2).code == RefusalCode.UNKNOWN_SESSION
+    assert isinstance(lease_once(server, s3), LeaseReply)
+
+
+def test_the_nonce_budget_never_drops_the_last_session(source):
+    store(source, sequence(1))
+    server = budgeted(source, 2)
+    only = hello(server).session
+    for _ in range(4):
+        assert isinstance(lease_once(server, only), LeaseReply)
+    assert server.tracked_nonces == 4  # over the budget, but the one session left is kept
+
+
 def test_lease_sizes_are_bounded_per_request(source):
     session = hello(source).session
     page = sequence(1)[0]
