@@ -1,4 +1,4 @@
-"""Helpers for the NIXL tests: pools of pieces in numpy buffers, a bounded wait, child processes."""
+"""Helpers for the NIXL tests: child processes (pieces and the bounded wait: tests.integration.buffers)."""
 
 import contextlib
 import json
@@ -7,46 +7,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
-import numpy as np
-
-from kvcr.domain.layout import RegionDescriptor
 from kvcr.testing.processes import stop_process, wait_until_stopped
 
 LOOPBACK = {"ucx_devices": "lo"}  # keep UCX's sockets on lo
 REPO = Path(__file__).resolve().parents[3]
-
-
-class Pool:
-    """``count`` pieces of ``piece`` bytes, ``stride`` apart, in one numpy buffer."""
-
-    def __init__(self, label, count, piece, stride=None, seed=None):
-        self.stride = stride or piece
-        self.piece_bytes = piece
-        self.array = np.zeros(self.stride * (count - 1) + piece, dtype=np.uint8)
-        if seed is not None:
-            self.array[:] = np.random.default_rng(seed).integers(0, 256, self.array.size, dtype=np.uint8)
-        self.region = RegionDescriptor(label, self.array.ctypes.data, self.stride, count, piece)
-
-    def piece(self, index):
-        start = index * self.stride
-        return self.array[start : start + self.piece_bytes].tobytes()
-
-
-def wait(plane, handle, timeout_s=10.0):
-    """Poll to a terminal state: a burst of polls, then short sleeps, within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    spins = 0
-    while time.monotonic() < deadline:
-        state = plane.poll(handle)
-        if state.terminal:
-            return state
-        spins += 1
-        if spins > 100:
-            time.sleep(0.0005)
-    raise AssertionError(f"transfer {handle} still {plane.poll(handle).value} after {timeout_s}s")
 
 
 def run_python(script, timeout=120, **env):

@@ -12,7 +12,7 @@ import pytest
 from kvcr.domain.layout import PieceRun, slot_runs
 from kvcr.ports.dataplane import TransferState
 from kvcr.ports.errors import PeerUnavailable, TransportError
-from tests.integration.nixl.support import Pool, wait
+from tests.integration.buffers import Pool, wait
 
 pytestmark = pytest.mark.nixl
 

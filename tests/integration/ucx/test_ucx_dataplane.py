@@ -13,7 +13,8 @@ from kvcr.domain.errors import ConfigError
 from kvcr.domain.layout import PieceRun
 from kvcr.ports.dataplane import TransferState
 from kvcr.ports.errors import PeerUnavailable, TransportError
-from tests.integration.ucx.support import LOOPBACK, PEER, REPO, pool, wait
+from tests.integration.buffers import wait
+from tests.integration.ucx.support import LOOPBACK, PEER, REPO, pool
 
 pytestmark = pytest.mark.ucx
 

@@ -13,7 +13,8 @@ import pytest
 from kvcr.adapters.ucx.paths import cma_allowed
 from kvcr.domain.layout import PieceRun, slot_runs
 from kvcr.ports.dataplane import TransferState
-from tests.integration.ucx.support import LOOPBACK, PEER, REPO, SourceProcess, page, pool, wait
+from tests.integration.buffers import wait
+from tests.integration.ucx.support import LOOPBACK, PEER, REPO, SourceProcess, page, pool
 
 pytestmark = [pytest.mark.ucx, pytest.mark.multiprocess]
 
