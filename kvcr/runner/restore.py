@@ -68,12 +68,7 @@ class Restorer:
             return local
         book = self._book
         candidate = {
-            pool: [
-                local[pool][i]
-                or book.held(pool, page) is not None
-                or (sources.get(pool) is not None and sources[pool].covers(page))  # type: ignore[union-attr]
-                for i, page in enumerate(keys)
-            ]
+            pool: [local[pool][i] or self._reachable(pool, page, sources.get(pool)) for i, page in enumerate(keys)]
             for pool in pools
         }
         span = min((leading_run(candidate[p]) for p in evidence), default=len(keys))
@@ -128,16 +123,12 @@ class Restorer:
 
     def _reach(self, pool: str, keys: Sequence[str], done: Sequence[bool], source: Source | None) -> int:
         """How far a pool's read may go: up to the first page neither restored, booked nor covered."""
+        return leading_run([ok or self._reachable(pool, page, source) for ok, page in zip(done, keys, strict=True)])
+
+    def _reachable(self, pool: str, page: str, source: Source | None) -> bool:
+        """Whether a page kvcr lacks may come from a peer: booked at hit-query time, or its source's hint covers it."""
         book = self._book
-        for i, page in enumerate(keys):
-            if done[i]:
-                continue
-            if book is not None and book.held(pool, page) is not None:
-                continue
-            if source is not None and source.covers(page):
-                continue
-            return i
-        return len(keys)
+        return (book is not None and book.held(pool, page) is not None) or (source is not None and source.covers(page))
 
     def _read_remote(
         self,
