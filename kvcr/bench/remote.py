@@ -12,7 +12,11 @@ pool. Per page size and batch (pages 0..batch-1), interleaved repetition by repe
 * ``restore``  kvcr's whole ``PeerClient.restore``: LEASE round trip, READ, RELEASE;
 * ``checked``  the same restore by a second target node with ``verify_bytes`` on: every page's
                digest, taken by the source at backup, is checked after the read (its cost, same run);
-* ``memcpy``   a memmove of the same byte count between two buffers of this process.
+* ``memcpy``   a memmove of the same byte count between two buffers of this process;
+* ``control``  a bare pyzmq DEALER sends the source's control server a LEASE of the same pages under
+               a session it never opened, answered at its first check: a control round trip with no
+               kvcr code on this side and almost none on the source's. ``raw`` + ``control`` is the
+               floor of any restore with one control round trip before its read (``floor vs raw``).
 
 Every kvcr read is checked byte for byte against the source's known page contents once per
 configuration. Ratios are against ``raw`` (and ``raw`` against ``memcpy``) of the same run.
@@ -42,6 +46,7 @@ from kvcr.bench.stats import Timing, markdown_table, timing
 from kvcr.domain import deadlines
 from kvcr.domain.layout import RegionDescriptor
 from kvcr.domain.units import format_byte_size
+from kvcr.runner import protocol
 from kvcr.runner.peer_client import PoolRead
 from kvcr.testing.ports import free_port_block
 from kvcr.testing.processes import stop_process
@@ -69,6 +74,8 @@ class RemoteResult:
     checked_restore_p50_ms: float = 0.0  # the restore with verify_bytes on
     verify_cost: float = 0.0  # restore time with verify_bytes on / without, same run
     link: str = "loopback"  # "tcp over veth (2 namespaces)" for run_remote_netns
+    control_p50_ms: float = 0.0  # a bare control round trip to the source (RawControl)
+    floor_vs_raw: float = 0.0  # raw / (raw + control): the best a one-round-trip restore can do
 
     def gbps(self, ms: float) -> float:
         return self.pages * self.page_bytes / (ms / 1e3) / 1e9
@@ -277,11 +284,13 @@ def run_remote(
                 (host.allocation.address, host.allocation.nbytes),
                 [c.piece_bytes for c in pool.components],
             )
+            control = RawControl(endpoint, token)
             try:
                 for batch in batches:
-                    result = _measure(node, checking, raw, lease, host, scratch, keys[:batch], endpoint, reps)
+                    result = _measure(node, checking, raw, control, lease, host, scratch, keys[:batch], endpoint, reps)
                     results.append(dataclasses.replace(result, transport=transport, link=link))
             finally:
+                control.close()
                 raw.close()
                 node.client.release(lease)
         finally:
@@ -289,6 +298,52 @@ def run_remote(
             host.free()
             memory.free(scratch)
     return results
+
+
+class RawControl:
+    """A bare pyzmq DEALER asking the source's control server something it refuses at once.
+
+    The request is a LEASE of the measured pages under session 0, which no HELLO ever opens, so the
+    source answers UNKNOWN_SESSION before it looks at a page: the round trip of a LEASE-sized
+    message with nothing of kvcr's client in it (CURVE on it when the cluster has a token).
+    """
+
+    def __init__(self, endpoint: str, token: bytes | None) -> None:
+        import zmq
+
+        from kvcr.adapters.zmq.curve import Keyring
+
+        self._context = zmq.Context()
+        self._sock = self._context.socket(zmq.DEALER)
+        self._sock.linger = 0
+        if token is not None:
+            Keyring(token).configure_client(self._sock, 0)
+        self._sock.connect(endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._ids = iter(range(1, 1 << 62))
+        self._payload = b""
+
+    def target(self, keys: list[str]) -> None:
+        import secrets
+
+        self._payload = protocol.encode(protocol.Lease(secrets.token_bytes(16), 0, 1000, [(0, keys)]))
+
+    def ask(self) -> None:
+        request_id = next(self._ids).to_bytes(8, "big")
+        self._sock.send_multipart([request_id, self._payload])
+        while True:
+            if not self._poller.poll(10_000):
+                raise RuntimeError("the source's control server did not answer a bare request")
+            frames = self._sock.recv_multipart()
+            if frames[0] == request_id:
+                break
+        if len(frames) != 3 or not isinstance(protocol.decode(frames[2]), protocol.Refused):
+            raise RuntimeError("the source answered a LEASE under an unknown session with something other than REFUSED")
+
+    def close(self) -> None:
+        self._sock.close()
+        self._context.term()
 
 
 def _warm_up(call: Callable[[], None], attempts: int = 5) -> None:
@@ -308,6 +363,7 @@ def _measure(
     node: Any,
     checking: Any,
     raw: RawReader,
+    control: RawControl,
     lease: Any,
     host: HostPool,
     scratch: Any,
@@ -321,6 +377,7 @@ def _measure(
     page_bytes = sum(r.piece_bytes for r in host.regions)
     slots = list(range(batch))
     raw.target([lease.slots[("kv", k)] for k in keys], slots)
+    control.target(keys)
     request = [PoolRead("kv", keys, slots)]
     nbytes = batch * page_bytes
 
@@ -350,6 +407,7 @@ def _measure(
         "restore": kvcr_restore,
         "checked": checked_restore,
         "memcpy": memcpy,
+        "control": control.ask,
     }
     for call in calls.values():
         _warm_up(call)
@@ -376,6 +434,8 @@ def _measure(
         verified=verified,
         checked_restore_p50_ms=t["checked"].p50 * 1e3,
         verify_cost=t["checked"].p50 / t["restore"].p50,
+        control_p50_ms=t["control"].p50 * 1e3,
+        floor_vs_raw=t["raw"].p50 / (t["raw"].p50 + t["control"].p50),
     )
 
 
@@ -445,6 +505,7 @@ def remote_table(results: list[RemoteResult]) -> str:
             f"{r.restore_vs_raw:.2f}x",
             f"{r.read_p99_ms:.2f} / {r.restore_p99_ms:.2f}",
             f"{r.checked_restore_p50_ms:.2f} ({r.verify_cost:.2f}x)" if r.verify_cost else "-",
+            f"{r.control_p50_ms:.3f} / {r.floor_vs_raw:.2f}x" if r.floor_vs_raw else "-",
         ]
         for r in results
     ]
@@ -458,6 +519,7 @@ def remote_table(results: list[RemoteResult]) -> str:
         "restore vs raw",
         "p99 read / restore ms",
         "restore with verify_bytes ms (x without)",
+        "bare control round trip ms / one-round-trip floor vs raw",
     ]
     return markdown_table(header, rows)
 

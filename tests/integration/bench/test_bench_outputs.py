@@ -40,6 +40,10 @@ def test_bench_report_rebuilds_the_readme_block_from_the_json(tmp_path, capsys):
     remote = ["--page-sizes", "64KiB,128KiB", "--batches", "4", "--reps", "2"]
     assert main(["bench", "remote", *remote, "--json", str(results / "remote.json")]) == 0
     png_size(results / "remote.png")
+    for row in json.loads((results / "remote.json").read_text()):
+        # the bare control round trip was measured against the source, and the floor is computed from it
+        assert row["control_p50_ms"] > 0
+        assert row["floor_vs_raw"] == pytest.approx(row["raw_p50_ms"] / (row["raw_p50_ms"] + row["control_p50_ms"]))
     printed = capsys.readouterr().out
     readme = tmp_path / "README.md"
     readme.write_text(f"# title\n\nbefore\n\n{BEGIN}\nold tables\n{END}\n\nafter\n")
