@@ -550,3 +550,20 @@ def test_alignment_walks_at_most_max_alignment_depth_ancestors(env):
     e.runner.restore("kv", chain[2:], [10])  # touches page 2 and one ancestor (page 1), not page 0
     e.store(sequence(1, start=600), [4])
     assert e.runner.exists("kv", chain) == [False, True, True]
+
+
+def test_slots_expired_leases_free_are_used_before_any_page_is_evicted(env):
+    clock = FakeClock()
+    e = env(slots=4, clock=clock, timing=Timing(lease_s=2.0, lease_margin_s=0.5))  # lease cap: 2 pages
+    cleared = sequence(2)
+    e.store(cleared)
+    e.runner.lease([("kv", cleared)], 1.0)
+    e.runner.clear()  # the leased pages are dropped; their slots stay pinned until the lease ends
+    kept = sequence(2, start=100)
+    e.store(kept, [2, 3])  # the arena is full now: two slots pinned, two pages resident
+    clock.advance(2.0)
+    assert e.store(sequence(1, start=200), [4]) == [True]  # one of the expired lease's slots
+    assert e.runner.exists("kv", kept) == [True, True]
+    assert "kvcr_evicted_pages_total{pool=kv}" not in e.metrics.snapshot()
+    stats = e.runner.stats().pools[0]
+    assert (stats.ready, stats.free, stats.discarding) == (3, 1, 0)
