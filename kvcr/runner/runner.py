@@ -843,10 +843,15 @@ class KvcrRunner:
         arena = state.arena
         assert arena is not None
         slots = arena.take(count)
+        if len(slots) == count:
+            return slots
+        # Expired leases must not pin pages; a page cleared or dropped while leased gives its
+        # slot back now, and such slots are used before any resident page is evicted.
+        self._expire_leases(self._clock.now())
+        slots.extend(arena.take(count - len(slots)))
         short = count - len(slots)
         if short <= 0:
             return slots
-        self._expire_leases(self._clock.now())  # expired leases must not pin pages
         protected = set(protect)
         entries = state.entries
         victims: list[str] = []

@@ -1,6 +1,7 @@
 """Failures leave nothing half-done; bad input gets a typed error naming the problem."""
 
 import threading
+import time
 
 import pytest
 
@@ -165,8 +166,10 @@ def test_close_keeps_memory_when_an_operation_never_ends():
     writer = threading.Thread(target=runner.backup, args=("kv", sequence(1), [0]))
     writer.start()
     assert memory.entered.wait(5)
+    began = time.monotonic()
     with pytest.raises(KvcrError, match="still touch kvcr memory"):
         runner.close()
+    assert time.monotonic() - began < 0.8  # gives up after about abandon_s (0.1 s)
     assert memory.live_allocations == 1
     memory.gate.set()
     writer.join(5)
@@ -266,3 +269,106 @@ def test_an_arena_too_large_to_map_names_dram_bytes():
 def test_timings_out_of_range_are_refused_by_name(changes, match):
     with pytest.raises(ConfigError, match=match):
         Timing(**changes)
+
+
+def test_close_waits_for_an_operation_that_ends_within_abandon_s():
+    from kvcr.runner import KvcrRunner
+
+    memory = GatedMemory()
+    runner = KvcrRunner(
+        runner_config((kv_pool(),), 4, timing=Timing(operation_s=0.05, abandon_s=5.0, control_s=0.05)),
+        memory=memory,
+        clock=MonotonicClock(),
+        metrics=InMemoryMetrics(strict=True),
+        inventory=RecordingInventory(),
+    )
+    runner.register_host_pool("kv", HostPool(kv_pool(), 8).regions)
+    memory.armed = True
+    writer = threading.Thread(target=runner.backup, args=("kv", sequence(1), [0]))
+    writer.start()
+    assert memory.entered.wait(5)
+    opener = threading.Timer(0.1, memory.gate.set)
+    opener.start()
+    runner.close()  # waits for the copy, then frees the arena
+    assert memory.live_allocations == 0
+    writer.join(5)
+    opener.join(5)
+
+
+class BlockingInventory(RecordingInventory):
+    """Blocks in ``publish`` of a CLEARED event while armed: clear() then holds the runner's lock."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.armed = False
+
+    def publish(self, event):
+        if self.armed and event.kind is InventoryKind.CLEARED:
+            self.armed = False
+            self.entered.set()
+            assert self.gate.wait(5)
+        super().publish(event)
+
+
+@pytest.mark.parametrize("operation", ["backup", "restore"])
+def test_an_operation_waits_for_the_lock_within_its_deadline(operation):
+    inventory = BlockingInventory()
+    runner, hosts = new_runner(MockHostMemory(), inventory=inventory)
+    page = sequence(1)
+    stored(runner, hosts["kv"], page, [0])
+    inventory.armed = True
+    clearing = threading.Thread(target=runner.clear)
+    clearing.start()
+    assert inventory.entered.wait(5)  # clear() holds the lock
+    opener = threading.Timer(0.1, inventory.gate.set)
+    opener.start()
+    try:
+        if operation == "backup":
+            assert runner.backup("kv", page, [0]) == [True]
+        else:
+            assert [o.outcome for o in runner.restore("kv", page, [1])] == [Outcome.MISS]  # cleared meanwhile
+    finally:
+        opener.join(5)
+        clearing.join(5)
+    runner.close()
+
+
+def test_a_pool_without_host_regions_refuses_what_needs_them():
+    runner = make_runner(
+        (kv_pool(),), 4, MockHostMemory(), MonotonicClock(), InMemoryMetrics(strict=True), RecordingInventory()
+    )
+    message = "pool 'kv' has no registered host regions"
+    try:
+        assert runner.host_regions() == ()
+        for call in (
+            lambda: runner.pool_host_regions("kv"),
+            lambda: runner.backup("kv", sequence(1), [0]),
+            lambda: runner.restore("kv", sequence(1), [0]),
+            lambda: runner.host_digest("kv", 0, sequence(1)[0]),
+        ):
+            with pytest.raises(LayoutError) as err:
+                call()
+            assert str(err.value) == message
+    finally:
+        runner.close()
+
+
+def test_an_arena_that_cannot_be_allocated_names_its_size_and_pool():
+    from kvcr.ports.errors import RegistrationError
+    from kvcr.runner import KvcrRunner
+
+    class NoMemory(MockHostMemory):
+        def allocate(self, nbytes, label):
+            raise RegistrationError("refused")
+
+    with pytest.raises(ConfigError) as err:
+        KvcrRunner(
+            runner_config((kv_pool(),), 4),
+            memory=NoMemory(),
+            clock=MonotonicClock(),
+            metrics=InMemoryMetrics(strict=True),
+            inventory=RecordingInventory(),
+        )
+    assert str(err.value) == "dram_bytes: cannot allocate 2048 bytes for pool 'kv' (refused); lower dram_bytes"

@@ -550,3 +550,192 @@ def test_alignment_walks_at_most_max_alignment_depth_ancestors(env):
     e.runner.restore("kv", chain[2:], [10])  # touches page 2 and one ancestor (page 1), not page 0
     e.store(sequence(1, start=600), [4])
     assert e.runner.exists("kv", chain) == [False, True, True]
+
+
+def test_slots_expired_leases_free_are_used_before_any_page_is_evicted(env):
+    clock = FakeClock()
+    e = env(slots=4, clock=clock, timing=Timing(lease_s=2.0, lease_margin_s=0.5))  # lease cap: 2 pages
+    cleared = sequence(2)
+    e.store(cleared)
+    e.runner.lease([("kv", cleared)], 1.0)
+    e.runner.clear()  # the leased pages are dropped; their slots stay pinned until the lease ends
+    kept = sequence(1, start=100)
+    e.store(kept, [2])  # one slot is still free
+    clock.advance(2.0)
+    assert e.store(sequence(2, start=200), [4, 5]) == [True, True]  # the free slot and one the lease freed
+    assert e.runner.exists("kv", kept) == [True]
+    assert "kvcr_evicted_pages_total{pool=kv}" not in e.metrics.snapshot()
+    stats = e.runner.stats().pools[0]
+    assert (stats.ready, stats.free, stats.discarding) == (3, 1, 0)
+
+
+# ---------------------------------------------------------------------------------------------- triaged survivors
+
+
+def test_pool_stats_read_as_a_plain_dict(env):
+    e = env()
+    e.store(sequence(1))
+    assert e.runner.stats().pools[0].as_dict() == {
+        "pool": "kv",
+        "slots": 8,
+        "free": 7,
+        "ready": 1,
+        "filling": 0,
+        "discarding": 0,
+        "claimed": 0,
+        "page_bytes": PAGE,
+    }
+
+
+def test_a_lease_carries_no_digest_without_verify_bytes_and_the_backup_digest_with_it(env):
+    plain, verified = env(), env(verify_bytes=True)
+    page = sequence(1)
+    plain.store(page)
+    verified.store(page)
+    assert plain.runner.lease([("kv", page)], 5.0).digests == ((b"",),)
+    digest = verified.runner.lease([("kv", page)], 5.0).digests[0][0]
+    assert digest == verified.runner.host_digest("kv", 0, page[0]) and len(digest) == 16
+
+
+def test_a_page_digest_is_bound_to_the_model_namespace(env):
+    import dataclasses
+
+    from kvcr.domain.keys import NamespaceSpec
+    from kvcr.runner import KvcrRunner
+
+    ours, same = env(), env()
+    config = dataclasses.replace(ours.runner.config, namespace=NamespaceSpec("other-model", 4, "bf16", "page_first"))
+    other = KvcrRunner(
+        config,
+        memory=MockHostMemory(),
+        clock=MonotonicClock(),
+        metrics=InMemoryMetrics(),
+        inventory=RecordingInventory(),
+    )
+    try:
+        for runner in (same.runner, other):
+            runner.register_host_pool("kv", ours.hosts["kv"].regions)  # the very same host bytes
+        page = sequence(1)[0]
+        ours.hosts["kv"].write_page(0, content(page, PAGE))
+        digest = ours.runner.host_digest("kv", 0, page)
+        assert same.runner.host_digest("kv", 0, page) == digest
+        assert other.host_digest("kv", 0, page) != digest  # another model's replica never vouches for it
+    finally:
+        other.close()
+
+
+def test_the_flat_copy_path_checks_what_it_delivers_with_verify_bytes(env):
+    e = env(verify_bytes=True)
+    pages = sequence(2)
+    e.store(pages)
+    out = ctypes.create_string_buffer(PAGE)
+    base = ctypes.addressof(out)
+    assert e.runner.load_page("kv", pages[0], [base, base + 256]) is True
+    assert out.raw == content(pages[0], PAGE)
+    ctypes.memset(e.runner.pool_arenas()["kv"][0].address(1), 0x33, 4)  # page 1 changes behind kvcr's back
+    assert e.runner.load_page("kv", pages[1], [base, base + 256]) is False
+    assert e.runner.exists("kv", pages) == [True, False]
+    assert e.value("kvcr_verification_failures_total{path=local_restore}") == 1
+    assert e.value("kvcr_pages_total{outcome=failed,path=local_restore}") == 1
+
+
+def test_the_flat_store_path_needs_one_source_per_component(env):
+    e = env()
+    with pytest.raises(LayoutError) as err:
+        e.runner.store_page("kv", sequence(1)[0], [0])
+    assert str(err.value) == "pool 'kv' has 2 components, 1 sources given"
+
+
+def test_lease_ids_are_never_0_nor_a_live_lease_id(env, monkeypatch):
+    e = env()
+    e.store(sequence(1))
+    drawn = iter([0, 7, 7, 9])
+    monkeypatch.setattr("kvcr.runner.runner.secrets.randbits", lambda bits: next(drawn))
+    first = e.runner.lease([("kv", sequence(1))], 5.0)
+    second = e.runner.lease([("kv", sequence(1))], 5.0)
+    assert (first.lease_id, second.lease_id) == (7, 9)
+    assert e.runner.active_leases == 2
+    assert e.runner.release_lease(7) and e.runner.release_lease(9)
+
+
+def test_two_corrupt_pages_two_readers_hold_are_both_counted_discarding(env):
+    memory = GatedMemory()
+    e = env(memory=memory, verify_bytes=True)
+    pages = sequence(2)
+    e.store(pages)
+    for slot in (0, 1):
+        ctypes.memset(e.runner.pool_arenas()["kv"][0].address(slot), 0x44, 4)
+    memory.armed = True
+    slow = threading.Thread(target=lambda: e.runner.restore("kv", pages, [20, 21]))
+    slow.start()
+    try:
+        assert memory.entered.wait(5)
+        assert [o.outcome for o in e.runner.restore("kv", pages, [22, 23])] == [Outcome.FAILED] * 2
+        assert e.runner.stats().pools[0].discarding == 2
+    finally:
+        memory.gate.set()
+        slow.join(5)
+    stats = e.runner.stats().pools[0]
+    assert (stats.discarding, stats.free) == (0, 8)
+
+
+def test_a_dropped_corrupt_page_leaves_the_eviction_order(env):
+    e = env(slots=2, verify_bytes=True)
+    pages = sequence(2)
+    e.store(pages)
+    ctypes.memset(e.runner.pool_arenas()["kv"][0].address(0), 0x22, 4)
+    e.runner.restore("kv", pages, [10, 11])  # page 0 is dropped; page 1 is the only victim left
+    assert e.store(sequence(3, start=300), [20, 21, 22]) == [True, True, False]
+
+
+def test_held_pages_of_a_batch_are_refreshed_before_its_copy(env):
+    memory = GatedMemory()
+    e = env(memory=memory, slots=3)
+    held, older = sequence(1), sequence(1, start=100)
+    e.store(held, [0])
+    e.store(older, [1])  # `held` is now the least recent page
+    memory.armed = True
+    batch = threading.Thread(target=lambda: e.store([held[0], sequence(1, start=200)[0]], [0, 2]))
+    batch.start()
+    try:
+        assert memory.entered.wait(5)  # the batch is copying its new page; `held` was used by it
+        assert e.store(sequence(1, start=300), [3]) == [True]  # another caller needs a slot meanwhile
+    finally:
+        memory.gate.set()
+        batch.join(5)
+    assert e.runner.exists("kv", held + older) == [True, False]
+
+
+def test_a_batch_keeps_its_own_order_over_parent_links(env):
+    e = env(slots=3)
+    root, child = sequence(2)
+    e.store([root, child], [0, 1])  # child's parent is root
+    other = sequence(1, start=100)
+    e.store(other, [2])
+    e.runner.restore("kv", [child, root], [10, 11])  # child listed first: it is touched as the shallowest
+    e.store(sequence(2, start=200), [3, 4])
+    assert e.runner.exists("kv", [root, child]) == [False, True]
+
+
+def test_a_loop_in_the_parent_links_is_walked_once(env):
+    e = env(slots=4, max_alignment_depth=3)
+    b, c, a, d = sequence(4)
+    e.store([c], [0], parent=b)
+    e.store([b], [1], parent=c)  # c and b are each other's parent
+    e.store([a], [2], parent=b)  # refreshes b then c: c ends up the more recent
+    e.store([d], [3])
+    e.store(sequence(2, start=200), [4, 5])
+    assert e.runner.exists("kv", [a, b, c, d]) == [False, False, True, True]
+
+
+def test_leases_expiring_on_the_clock_during_the_wait_are_not_waited_for(env):
+    clock = FakeClock()
+    e = env(clock=clock, timing=Timing(lease_s=2.0, lease_margin_s=0.5))
+    e.store(sequence(1))
+    e.runner.lease([("kv", sequence(1))], 1.0)
+    later = threading.Timer(0.1, clock.advance, args=(2.0,))
+    later.start()
+    try:
+        assert e.runner.wait_for_leases(0.8) == 0
+    finally:
+        later.join(5)
