@@ -6,6 +6,7 @@ kind of operation, so a miscount or a slot that is never given back shows up as 
 
 import ctypes
 import threading
+import time
 
 import pytest
 
@@ -726,6 +727,17 @@ def test_a_loop_in_the_parent_links_is_walked_once(env):
     e.store([d], [3])
     e.store(sequence(2, start=200), [4, 5])
     assert e.runner.exists("kv", [a, b, c, d]) == [False, False, True, True]
+
+
+def test_the_wait_for_leases_gives_up_at_its_timeout_not_a_poll_slice_later(env):
+    e = env(timing=Timing(lease_s=60.0, lease_margin_s=0.5))
+    e.store(sequence(1))
+    e.runner.lease([("kv", sequence(1))], 60.0)
+    started = time.monotonic()
+    assert e.runner.wait_for_leases(0.002) == 1  # the lease outlives the wait
+    # The last wait is cut to the time left: a shutdown with a short grace waits that long, not
+    # a 50 ms polling slice beyond it.
+    assert time.monotonic() - started < 0.045
 
 
 def test_leases_expiring_on_the_clock_during_the_wait_are_not_waited_for(env):
