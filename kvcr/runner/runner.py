@@ -553,6 +553,7 @@ class KvcrRunner:
         slots: list[tuple[int, ...]] = []
         digests: list[tuple[bytes, ...]] = []
         claims: list[tuple[_Pool, _Entry]] = []
+        served = 0  # bytes granted: page_bytes is a sum over components, taken once per pool
         with self._lock:
             self._check_open()
             now = self._clock.now()
@@ -566,6 +567,7 @@ class KvcrRunner:
                 entries = state.entries
                 pool_slots: list[int] = []
                 pool_digests: list[bytes] = []
+                claimed = len(claims)
                 for page in pages:
                     entry = entries.get(page) if isinstance(page, str) else None
                     capped = entry is not None and not entry.leased and state.leased >= state.lease_cap
@@ -582,11 +584,11 @@ class KvcrRunner:
                     pool_digests.append(entry.digest)
                 slots.append(tuple(pool_slots))
                 digests.append(tuple(pool_digests))
+                served += (len(claims) - claimed) * state.spec.page_bytes
             lease_id = 0
             if claims:
                 lease_id = self._new_lease_id()
                 self._leases[lease_id] = _HeldLease(Lease(lease_id, (), now, now + duration), claims)
-        served = sum(state.spec.page_bytes for state, _ in claims)
         self._metrics.increment(M.PAGES, len(claims), {"path": Path.SERVED, "outcome": Result.OK})
         self._metrics.increment(M.BYTES, served, {"path": Path.SERVED, "outcome": Result.OK})
         self._leases_gauge()

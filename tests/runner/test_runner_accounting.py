@@ -227,6 +227,16 @@ def test_a_lease_skips_unknown_pools_and_bad_keys_and_goes_on(env):
     assert all(s >= 0 for s in grant.slots[2])
 
 
+def test_a_lease_counts_the_pages_and_bytes_it_serves_across_every_pool(env):
+    e = env(pools=(kv_pool(), indexer_pool()))
+    pages = sequence(3)
+    e.store(pages)
+    e.store(pages[:2], pool="indexer")
+    e.runner.lease([("kv", pages), ("indexer", pages)], 5.0)  # the indexer lacks the third page
+    assert e.value("kvcr_pages_total{outcome=ok,path=served}") == 5
+    assert e.value("kvcr_bytes_total{outcome=ok,path=served}") == 3 * PAGE + 2 * indexer_pool().page_bytes
+
+
 def test_a_stopped_runner_grants_nothing(env):
     e = env()
     e.store(sequence(1))
