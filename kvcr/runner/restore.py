@@ -104,22 +104,28 @@ class Restorer:
         requests: Mapping[str, tuple[Sequence[str], Sequence[int]]],
         sources: Mapping[str, Source | None],
     ) -> ReadResult:
-        """Restore each pool's pages into its host slots: local pages from DRAM, the rest from peers."""
-        runner = self._runner
+        """Restore each pool's pages into its host slots: local pages from DRAM, the rest from peers.
+
+        Without a peer client or a book only local pages are read, as :meth:`presence` counts only those.
+        """
+        runner, client, book = self._runner, self._client, self._book
+        if client is None or book is None:
+            local = {pool: runner.restore(pool, keys, slots) for pool, (keys, slots) in requests.items()}
+            return ReadResult({pool: [o.restored for o in outcomes] for pool, outcomes in local.items()})
         restored: dict[str, list[bool]] = {}
         remote: dict[str, tuple[list[str], list[int], list[int]]] = {}
         for pool, (keys, slots) in requests.items():
             outcomes = runner.restore(pool, keys, slots)
             done = [o.restored for o in outcomes]
             restored[pool] = done
-            if self._client is not None and not all(done):
+            if not all(done):
                 reach = self._reach(pool, keys, done, sources.get(pool))
                 missing = [i for i in range(reach) if not done[i]]
                 if missing:
                     remote[pool] = ([keys[i] for i in missing], [slots[i] for i in missing], missing)
         if not remote:
             return ReadResult(restored)
-        return self._read_remote(remote, restored, sources)
+        return self._read_remote(client, book, remote, restored, sources)
 
     def _reach(self, pool: str, keys: Sequence[str], done: Sequence[bool], source: Source | None) -> int:
         """How far a pool's read may go: up to the first page neither restored, booked nor covered."""
@@ -132,12 +138,12 @@ class Restorer:
 
     def _read_remote(
         self,
+        client: PeerClient,
+        book: PrefetchBook,
         remote: Mapping[str, tuple[list[str], list[int], list[int]]],
         restored: dict[str, list[bool]],
         sources: Mapping[str, Source | None],
     ) -> ReadResult:
-        client, book = self._client, self._book
-        assert client is not None and book is not None
         wanted: list[Page] = [(pool, page) for pool, (pages, _, _) in remote.items() for page in pages]
         batches: list[tuple[RemoteLease, set[Page], bool]] = [
             (lease, set(items), True) for lease, items in book.take(wanted)

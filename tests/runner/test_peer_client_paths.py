@@ -10,9 +10,12 @@ import secrets
 
 import pytest
 
-from kvcr.adapters.mock import ControlFaults, Faults, MockControlChannel
+from kvcr.adapters.mock import ControlFaults, FakeClock, Faults, MockControlChannel
 from kvcr.domain.deadlines import Timing
+from kvcr.domain.layout import ComponentSpec
 from kvcr.domain.outcomes import Outcome
+from kvcr.domain.pools import PoolSpec
+from kvcr.ports.errors import TransportError
 from kvcr.runner import protocol
 from kvcr.runner.peer_client import PeerSettings, PoolRead, RemoteLease
 from kvcr.runner.protocol import HelloReply, LeaseReply, RefusalCode, Refused
@@ -25,6 +28,21 @@ KV = kv_pool()
 @pytest.fixture
 def cluster():
     c = Cluster()
+    c.make = lambda name, **kw: c.node(name, timing=kw.pop("timing", TIMING), **kw)
+    yield c
+    c.close()
+
+
+class CoarseClock(FakeClock):
+    """A fake clock whose every sleep moves it a quarter second: each time a read takes is exact."""
+
+    def sleep(self, seconds):
+        self.advance(0.25)
+
+
+@pytest.fixture
+def coarse():
+    c = Cluster(clock=CoarseClock())
     c.make = lambda name, **kw: c.node(name, timing=kw.pop("timing", TIMING), **kw)
     yield c
     c.close()
@@ -695,13 +713,15 @@ def test_a_failed_read_skips_the_peer_and_drops_its_link(cluster, caplog, monkey
     a = cluster.make("A", faults=Faults(error=True))
     b = cluster.make("B")
     seed(a, sequence(1), [0])
-    dropped = []
+    dropped, forgotten = [], []
     real = b.data_plane.disconnect
     monkeypatch.setattr(b.data_plane, "disconnect", lambda peer: dropped.append(peer) or real(peer))
+    monkeypatch.setattr(b.control, "forget", forgotten.append)
     with caplog.at_level(logging.INFO, logger="kvcr.runner.peer_client"):
         b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])
     assert skipped(caplog, a.endpoint) == ["read failed"]
     assert dropped == ["A"] and b.client.links == 0
+    assert forgotten == [a.endpoint]  # its control connection goes too
 
 
 def test_a_stalled_read_that_will_not_cancel_tears_the_link_down_and_skips_the_peer(cluster, caplog, monkeypatch):
@@ -767,3 +787,117 @@ def test_buffers_of_a_failed_staged_read_are_reused(cluster):
     a.data_plane.set_faults(Faults())
     cluster.clock.advance(TIMING.retry_after_s)
     assert reasons(b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [6])])) == [None]
+
+
+# ---------------------------------------------------------------------------------------------- boundaries
+
+
+@pytest.mark.parametrize(("slots", "linked"), [(0, False), (1, True)])
+def test_a_pool_is_linked_only_when_the_source_describes_at_least_one_slot(cluster, slots, linked):
+    a, b = cluster.make("A"), cluster.make("B")
+    pages = sequence(1)
+    seed(a, pages, [0])  # slot 0: inside even a one-slot arena
+
+    def resize(reply):
+        pools = [protocol.PoolWire(p.pool_id, p.name, p.namespace, p.regions, p.pieces, slots) for p in reply.pools]
+        return HelloReply(reply.nonce, reply.session, reply.incarnation, reply.data_plane, pools, reply.max_lease_ms)
+
+    rogue = Rogue(cluster, proxy(a, change_hello=resize))
+    result = b.client.restore(rogue.endpoint, [PoolRead("kv", pages, [5])])
+    assert reasons(result) == ([None] if linked else ["peer unavailable"])
+    assert [type(c).__name__ for c in rogue.calls] == (["Hello", "Lease", "Release"] if linked else ["Hello"])
+
+
+def test_a_peer_never_skipped_is_dialled_at_any_clock_reading():
+    c = Cluster(clock=FakeClock(0.0))  # a monotonic clock may read 0
+    try:
+        a, b = c.node("A", timing=TIMING), c.node("B", timing=TIMING)
+        seed(a, sequence(1), [0])
+        assert reasons(b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])) == [None]
+    finally:
+        c.close()
+
+
+def test_a_stalled_read_under_a_lease_whose_link_was_evicted_still_ends_in_an_outcome(cluster):
+    a = cluster.make("A")
+    c = cluster.make("C")
+    b = cluster.make("B", peer=PeerSettings(max_links=1))
+    pages = sequence(1)
+    for source in (a, c):
+        seed(source, pages, [0])
+    lease = b.client.lease(a.endpoint, [("kv", pages)])
+    assert b.client.lease(c.endpoint, [("kv", pages)]) is not None  # evicts the link to A; the lease lives on
+    a.data_plane.set_faults(Faults(stall=True, uncertain_cancel=True))
+    result = b.client.read(lease, [PoolRead("kv", pages, [5])])  # never an exception to the caller
+    assert [o.restored for o in result["kv"]] == [False]
+    assert result["kv"][0].outcome in (Outcome.FAILED, Outcome.UNCERTAIN)
+
+
+def test_a_quarantined_read_whose_poll_fails_does_not_keep_the_others_from_being_reaped(cluster, monkeypatch):
+    a = cluster.make("A", faults=Faults(stall=True, late_writes=True))
+    b = cluster.make("B", peer=PeerSettings(landing="direct"))
+    pages = sequence(2)
+    seed(a, pages, [0, 1])
+    for page, slot in zip(pages, [5, 6], strict=True):
+        assert reasons(b.client.restore(a.endpoint, [PoolRead("kv", [page], [slot])])) == [
+            "transfer could not be confirmed stopped"
+        ]
+        cluster.clock.advance(TIMING.retry_after_s)
+    assert b.client.quarantined == 2
+    a.data_plane.set_faults(Faults(late_writes=True))  # the source resumes: both reads end
+    real, polled = b.data_plane.poll, []
+
+    def poll(handle):
+        polled.append(handle)
+        if len(polled) == 1:
+            raise TransportError("injected")
+        return real(handle)
+
+    monkeypatch.setattr(b.data_plane, "poll", poll)
+    assert b.client.reap() == 1  # the one whose poll failed is kept for the next reap; the other is released
+    assert b.client.reap() == 0
+
+
+def test_a_one_byte_read_still_teaches_the_links_rate(cluster):
+    tiny = PoolSpec("kv", (ComponentSpec("k", 1),), anchor=True)  # pages of one byte
+    source = cluster.make("S", pools=(tiny,), faults=Faults(latency_s=1.0))
+    target = cluster.make("B", pools=(tiny,), peer=PeerSettings(recompute_tokens_per_s=2.0, tokens_per_page=1))
+    pages = sequence(1)
+    seed(source, pages, [0])
+    assert reasons(target.client.restore(source.endpoint, [PoolRead("kv", pages, [5])])) == [None]
+    # ~1 B/s: one more page takes ~1 s to read, 0.5 s to recompute
+    assert target.client.lease(source.endpoint, [("kv", pages)]) is None
+    assert failures(target, "slower_than_recompute") == 1
+
+
+def test_a_recompute_rate_of_one_token_per_second_is_still_a_rate(cluster):
+    source = cluster.make("S", faults=Faults(latency_s=1.5))
+    target = cluster.make("B", peer=PeerSettings(recompute_tokens_per_s=1.0, tokens_per_page=1))
+    pages = sequence(1)
+    seed(source, pages, [0])
+    assert reasons(target.client.restore(source.endpoint, [PoolRead("kv", pages, [5])])) == [None]
+    # one page read in ~1.5 s; recomputing its one token takes 1 s
+    assert target.client.lease(source.endpoint, [("kv", pages)]) is None
+    assert failures(target, "slower_than_recompute") == 1
+
+
+# 4 pages of 512 bytes read in exactly 0.5 s: 4096 B/s, so 4 more take 0.5 s; recomputing 4 x 4 tokens at
+# 32 tokens/s takes exactly 0.5 s too: a read no slower than recomputing is tried.
+@pytest.mark.parametrize(("rate", "skipped_after"), [(32.0, False), (33.0, True)])
+def test_a_read_estimated_exactly_as_long_as_recomputing_is_tried(coarse, rate, skipped_after):
+    source = coarse.make("S", faults=Faults(latency_s=0.5))
+    target = coarse.make("B", peer=PeerSettings(recompute_tokens_per_s=rate, tokens_per_page=4))
+    seed(source, sequence(4), range(4))
+    start = coarse.clock.now()
+    assert reasons(target.client.restore(source.endpoint, [PoolRead("kv", sequence(4), range(10, 14))])) == [None] * 4
+    assert coarse.clock.now() - start == 0.5
+    assert (target.client.lease(source.endpoint, [("kv", sequence(4))]) is None) is skipped_after
+
+
+def test_a_read_still_pending_at_its_deadline_is_given_up_then(coarse):
+    a = coarse.make("A", faults=Faults(latency_s=2.1))  # would complete just after the 2 s operation deadline
+    b = coarse.make("B")
+    seed(a, sequence(1), [0])
+    start = coarse.clock.now()
+    assert reasons(b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])) == ["read timed out"]
+    assert coarse.clock.now() - start == TIMING.operation_s

@@ -348,6 +348,28 @@ def test_a_pool_without_a_source_does_not_stop_the_next_pool_from_leasing(nodes)
     assert read.restored == {"kv": [False, False], "indexer": [True, True]}
 
 
+def test_a_pool_without_a_source_does_not_stop_the_next_pool_from_leasing_at_read(nodes):
+    _, a, _, _, restorer = nodes
+    pages = sequence(2)
+    seed(a, pages, [0, 1])
+    seed(a, pages, [0, 1], pool="indexer")
+    restorer.presence(pages, ["kv"], {"kv": Source(a.endpoint)}, request="r", evidence=["kv"])  # kv is booked
+    # kv, read first, has no source now (its pages come from the book); indexer was not booked: it is leased now
+    sources = {"kv": None, "indexer": Source(a.endpoint)}
+    read = restorer.read({"kv": (pages, [1, 2]), "indexer": (pages, [3, 4])}, sources)
+    assert read.restored == {"kv": [True, True], "indexer": [True, True]}
+    assert a.runner.active_leases == 0
+
+
+def test_the_book_keeps_no_record_of_a_lease_once_it_ended(nodes):
+    _, a, _, book, restorer = nodes
+    pages = booked(nodes, 2, request="r")
+    restorer.read({"kv": (pages, [40, 41])}, {"kv": Source(a.endpoint)})
+    assert len(book) == 0 and a.runner.active_leases == 0
+    # a bound on the book's size: nothing of a lease read in full is kept, so the book does not grow per lease
+    assert book._by_id == {} and book._requests == {}
+
+
 def test_a_dead_source_does_not_stop_the_next_source_from_leasing(nodes):
     _, a, _, _, restorer = nodes
     pages = sequence(1)
@@ -363,6 +385,20 @@ def test_a_restorer_with_a_client_but_no_book_answers_locally(nodes):
     half = Restorer(b.runner, b.client, None)
     assert half.presence(sequence(1), ["kv"], {"kv": Source(a.endpoint)}, evidence=["kv"]) == {"kv": [False]}
     assert half.booked == 0
+
+
+@pytest.mark.parametrize("missing", ["book", "client"])
+def test_a_restorer_without_a_book_or_without_a_client_reads_only_local_pages(nodes, missing):
+    _, a, b, book, _ = nodes
+    pages = sequence(2)
+    seed(a, pages, [0, 1])
+    seed(b, pages[:1], [0])
+    half = Restorer(b.runner, b.client, None) if missing == "book" else Restorer(b.runner, None, book)
+    served = a.control.requests_served
+    result = half.read({"kv": (pages, [40, 41])}, {"kv": Source(a.endpoint)})
+    assert result == ReadResult({"kv": [True, False]})
+    assert host_bytes(b, "kv", 40) == expected(pages[0], "kv")
+    assert a.control.requests_served == served  # the source was not asked
 
 
 def test_a_read_leases_only_what_the_hint_covers_and_reports_no_uncertainty(nodes):

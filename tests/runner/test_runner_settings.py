@@ -76,6 +76,7 @@ def test_explicit_shares_that_leave_nothing_for_the_others_are_refused():
     [
         *[("localhost", True), ("127.0.0.1", True), ("127.9.9.9", True), ("::1", True), ("[::1]", True)],
         *[("10.0.0.1", False), ("node-1", False), ("0.0.0.0", False), ("[fe80::1]", False), ("LOCALHOST", False)],
+        ("X127.0.0.1", False),  # only brackets are stripped
     ],
 )
 def test_loopback_hosts(host, loopback):

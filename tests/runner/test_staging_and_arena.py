@@ -29,6 +29,7 @@ def plane():
 def test_an_arena_lays_each_component_out_densely_one_after_another():
     memory = MockHostMemory()
     arena = Arena(THREE, 4, memory)
+    assert arena.pool is THREE and arena.slots == 4
     base = arena.allocation.address
     assert arena.allocation.label == "kvcr/mix" and arena.allocation.nbytes == 4 * 56
     assert [(r.label, r.base - base, r.stride, r.count) for r in arena.regions] == [
@@ -92,6 +93,7 @@ def test_a_buffer_that_fails_to_register_is_freed_and_not_counted():
         staging.take(kv_pool())
     assert memory.live_allocations == 0
     assert staging.take(kv_pool()) is not None  # the failed one did not use up the cap
+    assert staging.take(kv_pool()) is None  # nor did it give one back: the cap is still one
     assert calls == [False, False]
 
 
