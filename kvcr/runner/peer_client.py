@@ -569,14 +569,14 @@ class PeerClient:
         landing = self.settings.landing
         staged = landing == "staged" or (landing == "auto" and peer.late_writes)
         link = _Link(endpoint, reply.session, reply.incarnation, peer, pools, staged, self._clock.now())
-        evicted: list[str] = []
+        evicted: list[tuple[str, _Link]] = []
         with self._lock:
             self._links[endpoint] = link
             while len(self._links) > self.settings.max_links:
-                evicted.append(next(iter(self._links)))
-                self._links.pop(evicted[-1])
-        for old in evicted:
-            self._drop(old)
+                oldest = next(iter(self._links))
+                evicted.append((oldest, self._links.pop(oldest)))
+        for old, old_link in evicted:
+            self._drop(old, old_link)  # both halves: the control connection and the data-plane peer
         return link
 
     def _fits(self, wire: PoolWire) -> bool:

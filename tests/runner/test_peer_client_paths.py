@@ -7,6 +7,7 @@ skip the peer for ``retry_after_s`` (an operator reads why in one log line).
 
 import logging
 import secrets
+import threading
 
 import pytest
 
@@ -544,16 +545,20 @@ def test_a_pool_short_of_staging_gives_back_the_buffers_the_other_pools_took(clu
 def test_links_beyond_max_links_close_the_least_recently_used(cluster, monkeypatch):
     sources = [cluster.make(n) for n in ("A", "C", "D")]
     b = cluster.make("B", peer=PeerSettings(max_links=2))
-    dropped = []
+    dropped, disconnected = [], []
     monkeypatch.setattr(b.control, "forget", dropped.append)
+    real = b.data_plane.disconnect
+    monkeypatch.setattr(b.data_plane, "disconnect", lambda peer: disconnected.append(peer) or real(peer))
     for s in sources[:2]:
         seed(s, sequence(1), [0])
         b.client.lease(s.endpoint, [("kv", sequence(1))])
-    assert b.client.links == 2 and dropped == []
+    assert b.client.links == 2 and dropped == [] and disconnected == []
     b.client.lease(sources[0].endpoint, [("kv", sequence(1))])  # A is now the most recent
     seed(sources[2], sequence(1), [0])
     b.client.lease(sources[2].endpoint, [("kv", sequence(1))])
-    assert b.client.links == 2 and dropped == [sources[1].endpoint]
+    # The evicted link closes both halves: its control connection and its data-plane peer (a NIXL
+    # remote agent, a UCX endpoint), so a target hinted towards many sources holds at most max_links.
+    assert b.client.links == 2 and dropped == [sources[1].endpoint] and disconnected == ["C"]
 
 
 def test_idle_links_close_once_idle_for_link_idle_s(cluster, monkeypatch):
@@ -818,7 +823,7 @@ def test_a_peer_never_skipped_is_dialled_at_any_clock_reading():
         c.close()
 
 
-def test_a_stalled_read_under_a_lease_whose_link_was_evicted_still_ends_in_an_outcome(cluster):
+def test_a_read_under_a_lease_whose_link_was_evicted_is_a_miss_at_once(cluster):
     a = cluster.make("A")
     c = cluster.make("C")
     b = cluster.make("B", peer=PeerSettings(max_links=1))
@@ -828,9 +833,41 @@ def test_a_stalled_read_under_a_lease_whose_link_was_evicted_still_ends_in_an_ou
     lease = b.client.lease(a.endpoint, [("kv", pages)])
     assert b.client.lease(c.endpoint, [("kv", pages)]) is not None  # evicts the link to A; the lease lives on
     a.data_plane.set_faults(Faults(stall=True, uncertain_cancel=True))
+    start = cluster.clock.now()
     result = b.client.read(lease, [PoolRead("kv", pages, [5])])  # never an exception to the caller
-    assert [o.restored for o in result["kv"]] == [False]
-    assert result["kv"][0].outcome in (Outcome.FAILED, Outcome.UNCERTAIN)
+    # The eviction disconnected A's data-plane peer: nothing is posted, so nothing can stall.
+    assert reasons(result) == ["peer unavailable"] and cluster.clock.now() == start
+
+
+def test_two_reads_stalled_on_one_link_both_give_up_with_an_outcome(cluster, monkeypatch):
+    a = cluster.make("A", faults=Faults(stall=True, late_writes=True))
+    b = cluster.make("B")  # auto: late writes mean staged
+    pages = sequence(2)
+    seed(a, pages, [0, 1])
+    leases = [b.client.lease(a.endpoint, [("kv", [page])]) for page in pages]
+    both_posted = threading.Barrier(2)
+    real = b.data_plane.read
+
+    def read_then_wait(*args, **kwargs):
+        handle = real(*args, **kwargs)
+        both_posted.wait(timeout=5)  # neither gives up before the other's read is live
+        return handle
+
+    monkeypatch.setattr(b.data_plane, "read", read_then_wait)
+    results: dict[int, object] = {}
+
+    def read(i):
+        try:
+            results[i] = reasons(b.client.read(leases[i], [PoolRead("kv", [pages[i]], [5 + i])]))
+        except Exception as exc:  # the second to give up finds the link already forgotten
+            results[i] = exc
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == {0: ["read stalled (staged, quarantined)"], 1: ["read stalled (staged, quarantined)"]}
 
 
 def test_a_quarantined_read_whose_poll_fails_does_not_keep_the_others_from_being_reaped(cluster, monkeypatch):
