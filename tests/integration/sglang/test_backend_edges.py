@@ -85,6 +85,11 @@ def test_the_legacy_key_is_read_as_a_wrapped_payload_and_kv_hints_comes_first(re
     assert both.source == Endpoint("10.0.0.1", 25000)
 
 
+def test_the_legacy_key_holds_a_payload_never_an_envelope(reader):
+    assert reader.read(info(kvcr_router_hint=envelope())) is None
+    assert reader.rejected == {"bad_endpoint": 1}  # read as a payload: it has no source endpoint
+
+
 def test_without_a_hint_in_the_call_the_bridge_supplies_the_requests(reader):
     assert reader.read(None) is None and reader.read(info(other=1)) is None
     hints_bridge.remember("req-77", envelope(host="10.0.0.4"))
