@@ -202,6 +202,50 @@ def test_a_logical_anchor_answers_hits_and_reads_that_agree():
         store.close()
 
 
+def logical_store(**settings):
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
+
+    anchor, indexer = LogicalHostPool(17 * sg.P, sg.P, layout="page_first"), sg.mha_host("page_first")
+    store = KvcrHiCacheStorage(sg.storage_config(**settings), {})
+    store.register_mem_pool_host(anchor)
+    store.register_mem_host_pool_v2(anchor, "kv")
+    store.register_mem_host_pool_v2(indexer, "indexer")
+    store.on_host_pools_registered()
+    return store, indexer
+
+
+def test_pools_listed_after_a_logical_anchor_or_a_refused_pool_are_served():
+    store, indexer = logical_store(control_port=sg.free_port())  # a node: its reads may also ask peers
+    try:
+        keys = sg.hashes(2)
+        kv = PoolTransfer(name="kv", keys=keys, host_indices=anchor_indices(2))
+        stored = store.batch_set_v2([kv, PoolTransfer(name="indexer", keys=keys[:1], host_indices=indexer.alloc(sg.P))])
+        assert stored == {"kv": [True, True], "indexer": [True]}
+        side = PoolTransfer(name="indexer", keys=keys, host_indices=indexer.alloc(2 * sg.P))
+        assert store.batch_get_v2([kv, side]) == {"kv": [True, False], "indexer": [True, False]}
+        short = PoolTransfer(name="indexer", keys=keys, host_indices=indexer.alloc(sg.P))  # 2 keys, 1 page
+        assert store.batch_set_v2([short, kv]) == {"indexer": [False, False], "kv": [True, True]}
+        assert store.batch_get_v2([short, kv]) == {"indexer": [False, False], "kv": [True, False]}
+    finally:
+        store.close()
+
+
+def test_a_logical_anchor_alone_holds_no_page():
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
+
+    anchor = LogicalHostPool(17 * sg.P, sg.P, layout="page_first")
+    store = KvcrHiCacheStorage(sg.storage_config(), {})
+    store.register_mem_pool_host(anchor)
+    store.register_mem_host_pool_v2(anchor, "kv")
+    store.on_host_pools_registered()
+    try:
+        keys = sg.hashes(2)
+        assert store.batch_set_v1(keys, anchor_indices(2)) == [True, True]  # no bytes to keep
+        assert store.batch_get_v1(keys, anchor_indices(2)) == [False, False]
+    finally:
+        store.close()
+
+
 def anchor_indices(pages):
     return torch.arange(pages * sg.P, dtype=torch.int64)
 
