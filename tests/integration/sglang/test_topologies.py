@@ -89,6 +89,29 @@ def test_mla_kv_comes_from_the_writer_and_sharded_mamba_state_from_the_rank_itse
             store.close()
 
 
+def test_sharded_mamba_state_a_rank_lacks_is_a_miss_though_the_writer_holds_its_own():
+    base = sg.free_port(2)
+    ranks = [mla_mamba_rank(r, base) for r in range(2)]
+    try:
+        keys = sg.hashes(3)
+        (w, kv0, m0), (r1, kv1, _) = ranks
+        assert w.batch_set_v1(keys, kv0.alloc(3 * sg.P)) == [True] * 3
+        fill_mamba(m0, [1], 0xA0)
+        assert w.batch_set_v2([PoolTransfer(name="mamba", keys=keys[2:], host_indices=torch.tensor([1]))]) == {
+            "mamba": [True]
+        }
+        got = r1.batch_get_v2(
+            [
+                PoolTransfer(name="kv", keys=keys, host_indices=kv1.alloc(3 * sg.P)),
+                PoolTransfer(name="mamba", keys=keys[2:], host_indices=torch.tensor([4])),
+            ]
+        )
+        assert got == {"kv": [True] * 3, "mamba": [False]}  # rank 0's shard is not rank 1's state
+    finally:
+        for store, *_ in ranks:
+            store.close()
+
+
 def test_mla_at_tp2_without_a_control_port_is_refused_naming_it():
     with pytest.raises(ConfigError, match="control_port"):
         KvcrHiCacheStorage(sg.storage_config(mla=True, tp_rank=1, tp_size=2, control_port=0), {})
