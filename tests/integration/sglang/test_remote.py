@@ -272,6 +272,13 @@ def test_a_sharded_rank_never_reads_its_pages_from_the_writer():
         assert stores[1].batch_exists(keys) == 0
         assert stores[1].batch_get_v1(keys, hosts[1].alloc(2 * sg.P)) == [False, False]
         assert stores[1].kvcr_stats()["held_remote_pages"] == 0
+        assert no_peer_traffic(stores)  # it never asked: a writer would refuse another shard's namespace
     finally:
         for store in stores:
             store.close()
+
+
+def no_peer_traffic(stores):
+    """No store failed a peer request or refused one."""
+    names = [name for store in stores for name in store.kvcr_stats()["counters"]]
+    return not [n for n in names if n.startswith(("kvcr_failures_total", "kvcr_peer_requests_refused_total"))]

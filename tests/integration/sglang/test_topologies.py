@@ -18,7 +18,7 @@ from kvcr.domain.errors import ConfigError
 from kvcr.integrations.sglang import KvcrHiCacheStorage
 from kvcr.integrations.shared import hints_bridge
 from tests.integration.sglang import sg
-from tests.integration.sglang.test_remote import hint
+from tests.integration.sglang.test_remote import hint, no_peer_traffic
 
 REPO = Path(__file__).resolve().parents[3]
 MAMBA_SLOTS = 9
@@ -107,6 +107,7 @@ def test_sharded_mamba_state_a_rank_lacks_is_a_miss_though_the_writer_holds_its_
             ]
         )
         assert got == {"kv": [True] * 3, "mamba": [False]}  # rank 0's shard is not rank 1's state
+        assert no_peer_traffic([w, r1])  # nor was it asked for
     finally:
         for store, *_ in ranks:
             store.close()
