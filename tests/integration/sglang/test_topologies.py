@@ -100,6 +100,8 @@ def test_sharded_mamba_state_a_rank_lacks_is_a_miss_though_the_writer_holds_its_
         assert w.batch_set_v2([PoolTransfer(name="mamba", keys=keys[2:], host_indices=torch.tensor([1]))]) == {
             "mamba": [True]
         }
+        query = [PoolTransfer(name="mamba", keys=keys[2:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+        assert r1.batch_exists_v2(keys, query).kv_hit_pages == 0  # KV alone is no resumable prefix
         got = r1.batch_get_v2(
             [
                 PoolTransfer(name="kv", keys=keys, host_indices=kv1.alloc(3 * sg.P)),
@@ -252,6 +254,24 @@ def test_pools_listed_after_a_logical_anchor_or_a_refused_pool_are_served():
         assert store.batch_get_v2([short, kv]) == {"indexer": [False, False], "kv": [True, False]}
     finally:
         store.close()
+
+
+def test_a_logical_anchors_pages_end_at_the_first_page_its_evidence_lacks():
+    source, source_indexer = logical_store(control_port=sg.free_port())
+    reader, indexer = logical_store(control_port=sg.free_port(), enable_remote_hint=True)
+    try:
+        keys = sg.hashes(3)
+        one = PoolTransfer(name="indexer", keys=keys[2:], host_indices=source_indexer.alloc(sg.P))
+        assert source.batch_set_v2([one])["indexer"] == [True]  # the source holds page 2 only
+        own = PoolTransfer(name="indexer", keys=keys[:1], host_indices=indexer.alloc(sg.P))
+        assert reader.batch_set_v2([own])["indexer"] == [True]  # the reader page 0
+        query = [PoolTransfer(name="indexer", keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
+        assert reader.batch_exists_v2(keys, query, hint(source.control_port, keys[1:])).kv_hit_pages == 1
+        assert reader.kvcr_stats()["held_remote_pages"] == 1  # page 2, leased past the hole at page 1
+        assert reader.batch_get_v1(keys, anchor_indices(3)) == [True, False, False]
+    finally:
+        reader.close()
+        source.close()
 
 
 def test_a_logical_anchor_alone_holds_no_page():
