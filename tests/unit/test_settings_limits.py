@@ -198,3 +198,78 @@ def test_a_bad_dram_size_names_dram_bytes():
 
 def test_allowlist_networks_may_have_host_bits_set():
     assert KvcrSettings(peer_allowlist=("10.0.0.1/8",)).allows("10.200.0.1")
+
+
+def test_an_infinite_recompute_rate_is_refused():
+    assert refusal({"recompute_tokens_per_s": float("inf")}) == (
+        "recompute_tokens_per_s must be a finite number >= 0, got inf"
+    )
+
+
+def test_integers_past_64_bits_are_refused_as_out_of_range():
+    assert refusal({"control_port": 1 << 64}) == "kvcr setting 'control_port' is out of range (an integer of 65 bits)"
+    # 64 bits pass the range check: the setting's own bound answers
+    assert refusal({"control_port": 1 << 63}) == (
+        f"control_port must be in 0..65535 (0 disables the peer service), got {1 << 63}"
+    )
+    assert parse_settings({"recompute_tokens_per_s": (1 << 64) - 1}).recompute_tokens_per_s == (1 << 64) - 1
+
+
+def test_an_integer_too_large_to_show_is_named_by_its_type():
+    huge = 10**5000  # no repr: str() refuses integers of over 4300 digits
+    assert refusal({"transport": huge}) == "kvcr setting 'transport' must be str, got a int too large to show"
+
+
+def test_a_wildcard_events_endpoint_with_a_bad_port_is_refused_as_a_local_bind():
+    assert refusal({"kv_events_endpoint": "tcp://*:x"}) == (
+        "kv_events_endpoint: endpoint 'tcp://127.0.0.1:x' has no numeric port"
+    )
+
+
+def test_only_an_exact_address_is_one_an_allowlist_entry_matches():
+    # text around an address makes it a name, compared as text
+    assert not KvcrSettings(peer_allowlist=("10.0.0.1",)).allows("10.0.0.1X")
+    assert not KvcrSettings(peer_allowlist=("10.0.0.1X",)).allows("10.0.0.1")
+    assert KvcrSettings(peer_allowlist=("10.0.0.1X",)).allows("10.0.0.1X")
+
+
+def test_a_token_path_the_file_system_cannot_hold_is_refused():
+    with pytest.raises(ConfigError) as err:
+        read_token_file("/tmp/a\x00b")
+    assert str(err.value) == "auth_token_file '/tmp/a\\x00b' is not a usable path"
+
+
+def after_the_check(monkeypatch, then):
+    """Run ``then`` between the token file's stat check and its read (a file changed meanwhile)."""
+    import kvcr.integrations.shared.settings as settings
+
+    real = settings.os.stat
+
+    def stat(path, *args, **kwargs):
+        monkeypatch.setattr(settings.os, "stat", real)  # once, and not for what ``then`` stats
+        info = real(path, *args, **kwargs)
+        then()
+        return info
+
+    monkeypatch.setattr(settings.os, "stat", stat)
+
+
+def test_a_token_file_that_grows_after_the_check_is_refused(tmp_path, monkeypatch):
+    path = token_file(tmp_path, b"x" * 4096)
+
+    def grow():
+        with open(path, "ab") as handle:
+            handle.write(b"y")
+
+    after_the_check(monkeypatch, grow)
+    with pytest.raises(ConfigError) as err:
+        read_token_file(path)
+    assert str(err.value) == f"auth_token_file {path!r} is larger than 4096 bytes"
+
+
+def test_a_token_file_removed_after_the_check_cannot_be_read(tmp_path, monkeypatch):
+    path = token_file(tmp_path, b"x" * 16)
+    after_the_check(monkeypatch, lambda: os.remove(path))
+    with pytest.raises(ConfigError) as err:
+        read_token_file(path)
+    assert str(err.value) == f"auth_token_file {path!r}: cannot read it: No such file or directory"

@@ -302,6 +302,9 @@ class KvcrHiCacheStorage(HiCacheStorage):
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
         targets = target_locations if target_locations is not None else [None] * len(keys)
+        if len(targets) != len(keys):
+            log.error("kvcr: %d keys but %d target pages; misses", len(keys), len(targets))
+            return [None] * len(keys)
         return [self.get(k, t) for k, t in zip(keys, targets, strict=True)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -316,7 +319,12 @@ class KvcrHiCacheStorage(HiCacheStorage):
     def batch_set(
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
     ) -> bool:
-        return values is not None and all(self.set(k, v) for k, v in zip(keys, values, strict=True))
+        if values is None:
+            return False
+        if len(values) != len(keys):
+            log.error("kvcr: %d keys but %d pages; nothing stored", len(keys), len(values))
+            return False
+        return all(self.set(k, v) for k, v in zip(keys, values, strict=True))
 
     def exists(self, key: str) -> bool:
         try:

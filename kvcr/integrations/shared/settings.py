@@ -131,9 +131,12 @@ def read_token_file(path: str, setting: str = "auth_token_file") -> bytes:
         raise ConfigError(f"{setting} {path!r} is larger than {MAX_TOKEN_BYTES} bytes")
     try:
         with open(path, "rb") as handle:
-            token = handle.read(MAX_TOKEN_BYTES + 1).strip()
+            raw = handle.read(MAX_TOKEN_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{setting} {path!r}: cannot read it: {exc.strerror}") from exc
+    if len(raw) > MAX_TOKEN_BYTES:  # it grew after the check above
+        raise ConfigError(f"{setting} {path!r} is larger than {MAX_TOKEN_BYTES} bytes")
+    token = raw.strip()
     if b"\x00" in token:
         raise ConfigError(f"{setting} {path!r} contains a NUL byte")
     if len(token) < MIN_TOKEN_BYTES:

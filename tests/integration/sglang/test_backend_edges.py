@@ -85,6 +85,11 @@ def test_the_legacy_key_is_read_as_a_wrapped_payload_and_kv_hints_comes_first(re
     assert both.source == Endpoint("10.0.0.1", 25000)
 
 
+def test_the_legacy_key_holds_a_payload_never_an_envelope(reader):
+    assert reader.read(info(kvcr_router_hint=envelope())) is None
+    assert reader.rejected == {"bad_endpoint": 1}  # read as a payload: it has no source endpoint
+
+
 def test_without_a_hint_in_the_call_the_bridge_supplies_the_requests(reader):
     assert reader.read(None) is None and reader.read(info(other=1)) is None
     hints_bridge.remember("req-77", envelope(host="10.0.0.4"))
@@ -240,6 +245,15 @@ def test_the_copy_path_refuses_pages_of_the_wrong_size_and_none_values(store):
     assert got[0] is not None and torch.equal(got[0], page)
 
 
+def test_the_copy_path_answers_misses_for_as_many_pages_as_keys_when_the_counts_differ(store):
+    keys = sg.hashes(2)
+    page = store.host.get_data_page(int(store.host.alloc(sg.P)[0]), flat=True)
+    assert store.batch_get(keys, [store.host.get_dummy_flat_data_page()]) == [None, None]  # never raises
+    assert store.batch_set(keys, [page]) is False
+    assert not store.exists(keys[0])  # nothing stored
+    assert store.batch_set(keys[:1], [page]) is True and store.exists(keys[0])
+
+
 def test_exists_of_a_malformed_key_is_false(store):
     assert store.exists("not-a-page-hash") is False
 
@@ -381,6 +395,7 @@ def test_backups_and_prefetches_report_a_plausible_bandwidth():
         backend.batch_get_v1(keys, host.alloc(4 * sg.P))
         metrics = backend.get_stats()
         assert metrics.backup_pgs == [4] and metrics.prefetch_pgs == [4]
+        assert len(metrics.backup_bandwidth) == len(metrics.prefetch_bandwidth) == 1
         for gbps in (*metrics.backup_bandwidth, *metrics.prefetch_bandwidth):
             assert 1e-6 < gbps < 1e6  # 16 KiB moved in well under 16 s
     finally:
@@ -426,3 +441,29 @@ def test_a_thread_that_serves_no_request_has_no_current_hint():
     worker.start()
     worker.join(5)
     assert seen == [(None, None)]
+
+
+def test_the_base_class_keeps_the_pools_sglang_registered():
+    host, side = sg.mha_host("page_first"), sg.mha_host("page_first")
+    store = KvcrHiCacheStorage(sg.storage_config(), {})
+    store.register_mem_pool_host(host)
+    store.register_mem_host_pool_v2(host, "kv")
+    store.register_mem_host_pool_v2(side, PoolName.SWA)
+    store.on_host_pools_registered()
+    try:
+        assert store.mem_pool_host is host and store.registered_pools == {"kv": host, PoolName.SWA: side}
+    finally:
+        store.close()
+
+
+def test_the_anchor_registered_alone_the_v1_way_is_served():
+    host = sg.mha_host("page_first")
+    store = KvcrHiCacheStorage(sg.storage_config(), {})
+    store.register_mem_pool_host(host)
+    store.on_host_pools_registered()
+    try:
+        keys = sg.hashes(2)
+        assert store.batch_set_v1(keys, host.alloc(2 * sg.P)) == [True, True]
+        assert store.batch_exists(keys) == 2
+    finally:
+        store.close()

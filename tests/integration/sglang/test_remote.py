@@ -3,6 +3,7 @@
 The same flows over real NIXL between two processes are in ``test_two_replicas_nixl.py``.
 """
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -220,3 +221,64 @@ def test_fail_stop_really_ends_the_process_with_a_log_line(tmp_path):
     assert done.returncode == 75, done.stderr[-2000:]
     assert "still alive" not in done.stdout
     assert "terminating this worker" in done.stderr and "could not be confirmed stopped" in done.stderr
+
+
+def test_fail_stop_logs_why_flushes_the_logs_and_exits_with_75(monkeypatch, caplog):
+    """In-process: os._exit is replaced, so the test sees the order and the exit code."""
+    from kvcr.integrations.sglang import failstop
+
+    calls: list[object] = []
+    monkeypatch.setattr(failstop.logging, "shutdown", lambda: calls.append("flush"))
+    monkeypatch.setattr(failstop.os, "_exit", calls.append)
+    with caplog.at_level(logging.CRITICAL, logger="kvcr.integrations.sglang.failstop"):
+        failstop.terminate_worker("a read could not be confirmed stopped")
+    assert calls == ["flush", 75]
+    assert caplog.messages == ["kvcr: terminating this worker: a read could not be confirmed stopped"]
+
+
+def test_a_hinted_mla_rank_reads_replicated_kv_from_the_sources_writer_rank():
+    base = sg.free_port(4)  # replica 0 binds base, base + 1; replica 1 binds base + 2, base + 3
+    made = []
+
+    def rank(dp, tp_rank, **settings):
+        host = sg.mla_host("page_first")
+        config = sg.storage_config(mla=True, tp_rank=tp_rank, tp_size=2, dp_rank=dp, control_port=base, **settings)
+        made.append(sg.backend(host, config))
+        return made[-1], host
+
+    try:
+        source, source_host = rank(1, 0)
+        rank(1, 1)  # the source's rank 1 holds no replicated KV
+        reader, reader_host = rank(0, 1, enable_remote_hint=True)
+        keys = sg.hashes(2)
+        src = source_host.alloc(2 * sg.P)
+        sg.fill(source_host, src, seed=61)
+        assert source.batch_set_v1(keys, src) == [True, True]
+        dst = reader_host.alloc(2 * sg.P)
+        assert reader.batch_get_v1(keys, dst, hint(base + 2, keys)) == [True, True]
+        assert sg.pages_equal(source_host, src, reader_host, dst)
+    finally:
+        for store in made:
+            store.close()
+
+
+def test_a_sharded_rank_never_reads_its_pages_from_the_writer():
+    base = sg.free_port(2)
+    hosts = [sg.mha_host("page_first") for _ in range(2)]
+    stores = [sg.backend(hosts[r], sg.storage_config(tp_rank=r, tp_size=2, control_port=base)) for r in range(2)]
+    try:
+        keys = sg.hashes(2)
+        assert stores[0].batch_set_v1(keys, hosts[0].alloc(2 * sg.P)) == [True, True]  # rank 0's own shard
+        assert stores[1].batch_exists(keys) == 0
+        assert stores[1].batch_get_v1(keys, hosts[1].alloc(2 * sg.P)) == [False, False]
+        assert stores[1].kvcr_stats()["held_remote_pages"] == 0
+        assert no_peer_traffic(stores)  # it never asked: a writer would refuse another shard's namespace
+    finally:
+        for store in stores:
+            store.close()
+
+
+def no_peer_traffic(stores):
+    """No store failed a peer request or refused one."""
+    names = [name for store in stores for name in store.kvcr_stats()["counters"]]
+    return not [n for n in names if n.startswith(("kvcr_failures_total", "kvcr_peer_requests_refused_total"))]

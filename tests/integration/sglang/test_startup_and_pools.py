@@ -73,6 +73,19 @@ def test_without_a_parallel_context_the_replica_comes_from_the_environment(monke
     assert dp_index(sg.storage_config()) == 0
 
 
+def test_a_parallel_context_without_dp_fields_is_replica_zero_of_one_group(monkeypatch):
+    import sglang.srt.runtime_context as context
+
+    class OnlyReplica:
+        dp_rank = 2
+
+    monkeypatch.setenv("SGLANG_DP_RANK", "5")  # read only when there is no parallel context
+    monkeypatch.setattr(context, "get_parallel", lambda: object())
+    assert dp_index(sg.storage_config(dp_rank=1)) == 1
+    monkeypatch.setattr(context, "get_parallel", OnlyReplica)
+    assert dp_index(sg.storage_config(dp_rank=1)) == 3
+
+
 def test_a_rank_without_attention_cp_counts_as_one_cp_group():
     config = dataclasses.replace(sg.storage_config(tp_rank=1, tp_size=2), attn_cp_size=0)
     layout = rank_layout(config)
@@ -99,6 +112,7 @@ class FakePool:
         self.pieces, self.stride = pieces, stride or sum(pieces)
         self.base, self.kv_buffer = 1 << 20, object()
         self.odd_piece = self.skew = None
+        self.odd_component = 0
         self.__dict__.update(changes)
 
     def get_page_buffer_meta(self, indices):
@@ -108,7 +122,8 @@ class FakePool:
             for page in pages:
                 skew = self.skew if (self.skew is not None and page > 1) else 0
                 ptrs.append(self.base + c * 1000 + page * self.stride + skew)
-                sizes.append(self.odd_piece if (self.odd_piece is not None and page == 1 and c == 0) else piece)
+                odd = self.odd_piece is not None and page == 1 and c == self.odd_component
+                sizes.append(self.odd_piece if odd else piece)
         # SGLang lists every page's components in page order: regroup component-major into page-major
         k = len(self.pieces)
         by_page = [[(ptrs[c * len(pages) + p], sizes[c * len(pages) + p]) for c in range(k)] for p in range(len(pages))]
@@ -156,6 +171,33 @@ def test_the_page_count_comes_from_page_num_or_else_size():
     assert layout_error(empty) == "host pool 'kv' has 0 pages; kvcr needs at least 2"
 
 
+def test_page_num_wins_over_size_and_a_pool_without_either_has_no_pages():
+    assert described(FakePool(pages=5, size=40)).regions[0].count == 5  # size alone would say 20
+    assert layout_error(FakePool(pages=1, size=40)) == "host pool 'kv' has 1 pages; kvcr needs at least 2"
+    bare = FakePool(pages=5)
+    del bare.page_num
+    assert described(bare).regions[0].count == 5  # size // page_size
+    nothing = FakePool(page_size=1)
+    del nothing.page_num, nothing.size
+    assert layout_error(nothing) == "host pool 'kv' has 0 pages; kvcr needs at least 2"
+
+
+def test_a_pool_may_lack_a_dtype_or_a_kv_buffer_but_not_a_layout():
+    untyped = FakePool()
+    del untyped.dtype
+    assert described(untyped).dtype == "unknown"
+    unbuffered = FakePool()
+    del unbuffered.kv_buffer  # only a kv_buffer of None makes a logical anchor
+    d = described(unbuffered)
+    assert not d.spec.logical and d.regions[0].count == 4
+    unlaid = FakePool()
+    del unlaid.layout
+    assert layout_error(unlaid) == (
+        "host pool 'kv' uses layout None; kvcr needs --hicache-mem-layout page_first or "
+        "page_first_direct (layer_first scatters a page over every layer, which kvcr does not copy)"
+    )
+
+
 def test_a_pool_without_bytes_is_a_logical_anchor():
     d = described(FakePool(kv_buffer=None, layout="layer_first"))
     assert d.spec.logical and d.spec.anchor and d.regions == () and (d.page_size, d.layout) == (2, "layer_first")
@@ -176,6 +218,10 @@ def test_pools_kvcr_cannot_address_are_refused_saying_why():
         "page_first_direct (layer_first scatters a page over every layer, which kvcr does not copy)"
     )
     assert layout_error(FakePool(odd_piece=6)) == "host pool 'kv' component 0: pieces differ in size between pages"
+    assert (
+        layout_error(FakePool(odd_piece=6, odd_component=1))
+        == "host pool 'kv' component 1: pieces differ in size between pages"
+    )
     assert (
         layout_error(FakePool(pieces=(8,), stride=4))
         == "host pool 'kv' component 0: pages overlap (stride 4 < piece 8)"
@@ -221,6 +267,8 @@ def test_the_anchor_of_a_real_sglang_pool_is_described_from_its_meta():
 def test_host_indices_become_page_slots():
     assert host_slots(torch.arange(4, 10, dtype=torch.int32), 2) == [2, 3, 4]
     assert host_slots(torch.tensor([7, 3]), 1) == [7, 3]
+    slots = host_slots(torch.arange(4, 10, dtype=torch.float64), 2)
+    assert slots == [2, 3, 4] and all(type(s) is int for s in slots)  # indices of any dtype give int slots
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from kvcr.domain.errors import ConfigError
 from kvcr.integrations.sglang import KvcrHiCacheStorage
 from kvcr.integrations.shared import hints_bridge
 from tests.integration.sglang import sg
-from tests.integration.sglang.test_remote import hint
+from tests.integration.sglang.test_remote import hint, no_peer_traffic
 
 REPO = Path(__file__).resolve().parents[3]
 MAMBA_SLOTS = 9
@@ -84,6 +84,32 @@ def test_mla_kv_comes_from_the_writer_and_sharded_mamba_state_from_the_rank_itse
         assert mamba_bytes(m1, 4) != mamba_bytes(m0, 1)  # ... never rank 0's
         assert r1.runner.namespaces["kv"] == w.runner.namespaces["kv"]
         assert r1.runner.namespaces["mamba"] != w.runner.namespaces["mamba"]
+    finally:
+        for store, *_ in ranks:
+            store.close()
+
+
+def test_sharded_mamba_state_a_rank_lacks_is_a_miss_though_the_writer_holds_its_own():
+    base = sg.free_port(2)
+    ranks = [mla_mamba_rank(r, base) for r in range(2)]
+    try:
+        keys = sg.hashes(3)
+        (w, kv0, m0), (r1, kv1, _) = ranks
+        assert w.batch_set_v1(keys, kv0.alloc(3 * sg.P)) == [True] * 3
+        fill_mamba(m0, [1], 0xA0)
+        assert w.batch_set_v2([PoolTransfer(name="mamba", keys=keys[2:], host_indices=torch.tensor([1]))]) == {
+            "mamba": [True]
+        }
+        query = [PoolTransfer(name="mamba", keys=keys[2:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+        assert r1.batch_exists_v2(keys, query).kv_hit_pages == 0  # KV alone is no resumable prefix
+        got = r1.batch_get_v2(
+            [
+                PoolTransfer(name="kv", keys=keys, host_indices=kv1.alloc(3 * sg.P)),
+                PoolTransfer(name="mamba", keys=keys[2:], host_indices=torch.tensor([4])),
+            ]
+        )
+        assert got == {"kv": [True] * 3, "mamba": [False]}  # rank 0's shard is not rank 1's state
+        assert no_peer_traffic([w, r1])  # nor was it asked for
     finally:
         for store, *_ in ranks:
             store.close()
@@ -198,6 +224,68 @@ def test_a_logical_anchor_answers_hits_and_reads_that_agree():
         with_indexer = [PoolTransfer(name="indexer", keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
         assert store.batch_exists_v2(keys, with_indexer).kv_hit_pages == 3
         assert store.batch_get_v1(keys, anchor_indices(4)) == [True, True, True, False]  # agrees with the hit
+    finally:
+        store.close()
+
+
+def logical_store(**settings):
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
+
+    anchor, indexer = LogicalHostPool(17 * sg.P, sg.P, layout="page_first"), sg.mha_host("page_first")
+    store = KvcrHiCacheStorage(sg.storage_config(**settings), {})
+    store.register_mem_pool_host(anchor)
+    store.register_mem_host_pool_v2(anchor, "kv")
+    store.register_mem_host_pool_v2(indexer, "indexer")
+    store.on_host_pools_registered()
+    return store, indexer
+
+
+def test_pools_listed_after_a_logical_anchor_or_a_refused_pool_are_served():
+    store, indexer = logical_store(control_port=sg.free_port())  # a node: its reads may also ask peers
+    try:
+        keys = sg.hashes(2)
+        kv = PoolTransfer(name="kv", keys=keys, host_indices=anchor_indices(2))
+        stored = store.batch_set_v2([kv, PoolTransfer(name="indexer", keys=keys[:1], host_indices=indexer.alloc(sg.P))])
+        assert stored == {"kv": [True, True], "indexer": [True]}
+        side = PoolTransfer(name="indexer", keys=keys, host_indices=indexer.alloc(2 * sg.P))
+        assert store.batch_get_v2([kv, side]) == {"kv": [True, False], "indexer": [True, False]}
+        short = PoolTransfer(name="indexer", keys=keys, host_indices=indexer.alloc(sg.P))  # 2 keys, 1 page
+        assert store.batch_set_v2([short, kv]) == {"indexer": [False, False], "kv": [True, True]}
+        assert store.batch_get_v2([short, kv]) == {"indexer": [False, False], "kv": [True, False]}
+    finally:
+        store.close()
+
+
+def test_a_logical_anchors_pages_end_at_the_first_page_its_evidence_lacks():
+    source, source_indexer = logical_store(control_port=sg.free_port())
+    reader, indexer = logical_store(control_port=sg.free_port(), enable_remote_hint=True)
+    try:
+        keys = sg.hashes(3)
+        one = PoolTransfer(name="indexer", keys=keys[2:], host_indices=source_indexer.alloc(sg.P))
+        assert source.batch_set_v2([one])["indexer"] == [True]  # the source holds page 2 only
+        own = PoolTransfer(name="indexer", keys=keys[:1], host_indices=indexer.alloc(sg.P))
+        assert reader.batch_set_v2([own])["indexer"] == [True]  # the reader page 0
+        query = [PoolTransfer(name="indexer", keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
+        assert reader.batch_exists_v2(keys, query, hint(source.control_port, keys[1:])).kv_hit_pages == 1
+        assert reader.kvcr_stats()["held_remote_pages"] == 1  # page 2, leased past the hole at page 1
+        assert reader.batch_get_v1(keys, anchor_indices(3)) == [True, False, False]
+    finally:
+        reader.close()
+        source.close()
+
+
+def test_a_logical_anchor_alone_holds_no_page():
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
+
+    anchor = LogicalHostPool(17 * sg.P, sg.P, layout="page_first")
+    store = KvcrHiCacheStorage(sg.storage_config(), {})
+    store.register_mem_pool_host(anchor)
+    store.register_mem_host_pool_v2(anchor, "kv")
+    store.on_host_pools_registered()
+    try:
+        keys = sg.hashes(2)
+        assert store.batch_set_v1(keys, anchor_indices(2)) == [True, True]  # no bytes to keep
+        assert store.batch_get_v1(keys, anchor_indices(2)) == [False, False]
     finally:
         store.close()
 
