@@ -1,16 +1,13 @@
 """KvcrHiCacheStorage (SGLang's real host pools) publishing its kvcr DRAM residency as KV events."""
 
-import time
-
-import msgpack
 import pytest
-import zmq
 
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.keys import router_id_signed
 from kvcr.integrations.dynamo import control_endpoints_for, default_registry
 from kvcr.integrations.sglang import KvcrHiCacheStorage
 from tests.integration.dynamo.conftest import free_port
+from tests.integration.kv_events import next_batch, subscribed, subscribers
 from tests.integration.sglang import sg
 
 
@@ -34,39 +31,7 @@ def backends():
 
 @pytest.fixture
 def sub():
-    context = zmq.Context()
-    sockets = []
-
-    def connect(endpoint):
-        sock = context.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(endpoint)
-        sockets.append(sock)
-        return sock
-
-    yield connect
-    for sock in sockets:
-        sock.close(linger=0)
-    context.term()
-
-
-def next_batch(sock, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if sock.poll(50):
-            topic, seq, payload = sock.recv_multipart()
-            return topic, int.from_bytes(seq, "big"), msgpack.unpackb(payload)
-    raise AssertionError("no KV event batch arrived")
-
-
-def subscribed(store, sock, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        sock.poll(20)
-        if store.kv_events.publisher.wait_for_subscriber(0):
-            return True
-    return False
+    yield from subscribers()
 
 
 def test_backups_clears_and_close_are_published_as_dynamo_events(backends, sub):

@@ -4,11 +4,8 @@ and each DP replica's rank 0 publishes its pages on its own port (pyzmq sockets 
 import os
 import re
 import socket
-import time
 
-import msgpack
 import pytest
-import zmq
 
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.keys import NamespaceSpec, router_id_signed
@@ -17,6 +14,7 @@ from kvcr.integrations.shared.page_tokens import default_registry
 from kvcr.integrations.shared.settings import parse_settings
 from kvcr.runner.node import NodeSettings
 from kvcr.runner.peer_client import PeerSettings
+from tests.integration.kv_events import next_batch, subscribed, subscribers
 from tests.integration.sglang import sg
 
 
@@ -109,39 +107,7 @@ def test_a_real_transport_gets_the_zmq_control_plane(monkeypatch, transport, con
 
 @pytest.fixture
 def sub():
-    context = zmq.Context()
-    sockets = []
-
-    def connect(endpoint):
-        sock = context.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(endpoint)
-        sockets.append(sock)
-        return sock
-
-    yield connect
-    for sock in sockets:
-        sock.close(linger=0)
-    context.term()
-
-
-def subscribed(store, sock, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        sock.poll(20)
-        if store.kv_events.publisher.wait_for_subscriber(0):
-            return True
-    return False
-
-
-def next_batch(sock, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if sock.poll(50):
-            topic, _, payload = sock.recv_multipart()
-            return topic, msgpack.unpackb(payload)
-    raise AssertionError("no KV event batch arrived")
+    yield from subscribers()
 
 
 def test_a_dp_replica_publishes_its_pages_with_their_tokens_on_its_own_port(stores, sub):
@@ -156,7 +122,7 @@ def test_a_dp_replica_publishes_its_pages_with_their_tokens_on_its_own_port(stor
     src = host.alloc(2 * sg.P)
     sg.fill(host, src, seed=3)
     assert store.batch_set_v1(keys, src) == [True, True]
-    topic, (_, events, dp_rank) = next_batch(sock)
+    topic, _, (_, events, dp_rank) = next_batch(sock)
     assert (topic, dp_rank) == (b"kvcr-b", 2)
     assert events == [
         {
