@@ -52,6 +52,12 @@ class PrefetchBook:
             held = self._pages.get((pool, page))
             return held.lease if held is not None else None
 
+    def booked(self, pool: str, pages: Sequence[str]) -> list[bool]:
+        """Per page: whether a live lease holds ``(pool, page)``; one sweep and one lock for the batch."""
+        with self._lock:
+            self._sweep()
+            return [(pool, page) in self._pages for page in pages]
+
     def add(self, lease: RemoteLease, pages: Iterable[Page], request: str | None) -> None:
         """Book ``pages`` of ``lease`` for a later read; pages already booked elsewhere are not taken twice."""
         release = False

@@ -67,23 +67,21 @@ class Restorer:
         if self._client is None or self._book is None:
             return local
         book = self._book
-        candidate = {
-            pool: [local[pool][i] or self._reachable(pool, page, sources.get(pool)) for i, page in enumerate(keys)]
+        held = {pool: book.booked(pool, keys) for pool in pools}
+        candidate = {pool: _reachable(keys, local[pool], held[pool], sources.get(pool)) for pool in pools}
+        span = min((leading_run(candidate[p]) for p in evidence), default=len(keys))
+        # Inside the span a booked page is present; past it only local pages count.
+        present = {
+            pool: [here or (i < span and b) for i, (here, b) in enumerate(zip(local[pool], held[pool], strict=True))]
             for pool in pools
         }
-        span = min((leading_run(candidate[p]) for p in evidence), default=len(keys))
-        present = {pool: list(local[pool]) for pool in pools}
         by_source: dict[str, list[tuple[str, list[int]]]] = {}
         for pool in pools:
-            for i in range(span):
-                if present[pool][i]:
-                    continue
-                if book.held(pool, keys[i]) is not None:
-                    present[pool][i] = True
             source = sources.get(pool)
             if source is None:
                 continue
-            wanted = [i for i in range(span) if not present[pool][i] and source.covers(keys[i])]
+            # neither here nor booked, yet reachable: its source's hint covers it
+            wanted = [i for i in range(span) if candidate[pool][i] and not present[pool][i]]
             if wanted:
                 by_source.setdefault(source.endpoint, []).append((pool, wanted))
         for endpoint, wanted_pools in by_source.items():
@@ -119,7 +117,7 @@ class Restorer:
             done = [o.restored for o in outcomes]
             restored[pool] = done
             if not all(done):
-                reach = self._reach(pool, keys, done, sources.get(pool))
+                reach = self._reach(book, pool, keys, done, sources.get(pool))
                 missing = [i for i in range(reach) if not done[i]]
                 if missing:
                     remote[pool] = ([keys[i] for i in missing], [slots[i] for i in missing], missing)
@@ -127,14 +125,11 @@ class Restorer:
             return ReadResult(restored)
         return self._read_remote(client, book, remote, restored, sources)
 
-    def _reach(self, pool: str, keys: Sequence[str], done: Sequence[bool], source: Source | None) -> int:
+    def _reach(
+        self, book: PrefetchBook, pool: str, keys: Sequence[str], done: Sequence[bool], source: Source | None
+    ) -> int:
         """How far a pool's read may go: up to the first page neither restored, booked nor covered."""
-        return leading_run([ok or self._reachable(pool, page, source) for ok, page in zip(done, keys, strict=True)])
-
-    def _reachable(self, pool: str, page: str, source: Source | None) -> bool:
-        """Whether a page kvcr lacks may come from a peer: booked at hit-query time, or its source's hint covers it."""
-        book = self._book
-        return (book is not None and book.held(pool, page) is not None) or (source is not None and source.covers(page))
+        return leading_run(_reachable(keys, done, book.booked(pool, keys), source))
 
     def _read_remote(
         self,
@@ -212,3 +207,14 @@ def _apply(
                 uncertain = f"a read into host pages of pool {pool!r} could not be confirmed stopped ({outcome.reason})"
             restored[pool][position] = outcome.restored
     return uncertain
+
+
+def _reachable(keys: Sequence[str], known: Sequence[bool], booked: Sequence[bool], source: Source | None) -> list[bool]:
+    """Per page, whether it may be had: known here, booked at hit-query time, or covered by its source's hint.
+
+    The one rule for "a peer may supply this page", used by the hit query and by how far a read goes.
+    """
+    return [
+        here or held or (source is not None and source.covers(page))
+        for page, here, held in zip(keys, known, booked, strict=True)
+    ]

@@ -97,6 +97,21 @@ def test_nothing_is_leased_past_the_first_page_no_evidence_pool_can_cover(nodes)
     assert restorer.booked == 4  # two pages of each pool; indexer pages 3 and 4 were not pinned
 
 
+def test_pages_booked_earlier_do_not_count_past_the_first_page_the_evidence_lacks(nodes):
+    _, a, _b, book, restorer = nodes
+    pages = sequence(4)
+    seed(a, pages, range(4), pool="indexer")
+    seed(a, pages[:2], [0, 1])  # A's KV stops at page 2
+    assert restorer.presence(pages, ["indexer"], {"indexer": Source(a.endpoint)}, evidence=["indexer"]) == {
+        "indexer": [True] * 4
+    }
+    assert [book.held("indexer", p) is not None for p in pages] == [True] * 4
+    hinted = Source(a.endpoint, frozenset(router_id(p) for p in pages[:2]))
+    found = restorer.presence(pages, ["kv", "indexer"], {"kv": hinted, "indexer": Source(a.endpoint)}, evidence=["kv"])
+    # the engine can use no page past the KV run, so the indexer's booked pages 3 and 4 are no hit
+    assert found == {"kv": [True, True, False, False], "indexer": [True, True, False, False]}
+
+
 def test_a_pool_without_a_source_answers_from_its_own_tier(nodes):
     _, a, b, _, restorer = nodes
     pages = sequence(2)
