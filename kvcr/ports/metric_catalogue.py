@@ -23,7 +23,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
+from kvcr import __version__
 from kvcr.domain.errors import KvcrError
 from kvcr.domain.hints import Rejection
 
@@ -53,6 +55,9 @@ class MetricName(str, enum.Enum):
     PEERS_QUARANTINED = "kvcr_peers_quarantined"
     LEASE_SECONDS = "kvcr_lease_seconds"
     RESTORE_SECONDS = "kvcr_restore_seconds"
+    LOOKUP_PAGES = "kvcr_lookup_pages_total"
+    DRAM_CAPACITY_BYTES = "kvcr_dram_capacity_bytes"
+    BUILD_INFO = "kvcr_build_info"
 
 
 class Path(str, enum.Enum):
@@ -113,6 +118,21 @@ class RefusalReason(str, enum.Enum):
     PROTOCOL = "protocol"
     HANDSHAKE = "handshake"
     FRAME = "frame"
+
+
+class Lookup(str, enum.Enum):
+    """How a page asked about in a hit query (SGLang's ``batch_exists``) ended: hit / (hit + miss) is the hit rate."""
+
+    HIT = "hit"
+    MISS = "miss"
+
+
+class Transport(str, enum.Enum):
+    """The data planes kvcr ships (``transport`` setting)."""
+
+    NIXL = "nixl"
+    UCX = "ucx"
+    MOCK = "mock"
 
 
 class LeaseRole(str, enum.Enum):
@@ -197,6 +217,11 @@ class MetricSpec:
     help: str
     labels: tuple[tuple[str, frozenset[str]], ...] = ()
     buckets: tuple[float, ...] = ()
+    # The label combinations that can happen, where fewer than every product of the closed sets
+    # can (a backup is never ``uncertain``): others are refused and never shown as a 0.
+    combos: frozenset[tuple[str, ...]] | None = None
+    # How SGLang's multiprocess collection merges a gauge across scheduler processes (TP ranks).
+    aggregate: Literal["livesum", "max"] = "livesum"
 
     @property
     def label_names(self) -> tuple[str, ...]:
@@ -209,18 +234,38 @@ class MetricSpec:
 _PATHS = ("path", _values(Path))
 _POOL = ("pool", POOLS)
 
+
+def _by_path(outcomes: Mapping[Path, tuple[Result, ...]]) -> frozenset[tuple[str, ...]]:
+    return frozenset((path.value, outcome.value) for path, results in outcomes.items() for outcome in results)
+
+
+_OK, _MISS, _FAILED, _UNCERTAIN = Result.OK, Result.MISS, Result.FAILED, Result.UNCERTAIN
+# What each path can report: a backup or local copy either happens, is not needed/possible, or
+# fails; only a peer's transfer can end unconfirmed; a source counts only pages it granted.
+_PAGE_OUTCOMES = _by_path(
+    {
+        Path.BACKUP: (_OK, _MISS, _FAILED),
+        Path.LOCAL_RESTORE: (_OK, _MISS, _FAILED),
+        Path.REMOTE_RESTORE: (_OK, _MISS, _FAILED, _UNCERTAIN),
+        Path.SERVED: (_OK,),
+    }
+)
+_BYTE_OUTCOMES = frozenset(combo for combo in _PAGE_OUTCOMES if combo[1] != Result.MISS.value)
+
 SPECS: tuple[MetricSpec, ...] = (
     MetricSpec(
         MetricName.PAGES,
         Kind.COUNTER,
         "KV pages by data path and how they ended (a page of several pools counts once per pool).",
         (_PATHS, ("outcome", _values(Result))),
+        combos=_PAGE_OUTCOMES,
     ),
     MetricSpec(
         MetricName.BYTES,
         Kind.COUNTER,
         "Bytes of the pages counted in kvcr_pages_total (a miss moves nothing).",
         (_PATHS, ("outcome", _values(Result, Result.OK, Result.FAILED, Result.UNCERTAIN))),
+        combos=_BYTE_OUTCOMES,
     ),
     MetricSpec(
         MetricName.FAILURES,
@@ -273,6 +318,25 @@ SPECS: tuple[MetricSpec, ...] = (
         (("path", _values(Path, Path.LOCAL_RESTORE, Path.REMOTE_RESTORE)),),
         LATENCY_BUCKETS,
     ),
+    MetricSpec(
+        MetricName.LOOKUP_PAGES,
+        Kind.COUNTER,
+        "Pages the engine asked about in hit queries: hit (kvcr will restore it) or miss (recomputed).",
+        (("result", _values(Lookup)),),
+    ),
+    MetricSpec(
+        MetricName.DRAM_CAPACITY_BYTES,
+        Kind.GAUGE,
+        "kvcr DRAM allotted to a pool (used + free).",
+        (_POOL,),
+    ),
+    MetricSpec(
+        MetricName.BUILD_INFO,
+        Kind.GAUGE,
+        "Always 1: the kvcr version and the data plane this process runs.",
+        (("version", frozenset({__version__})), ("transport", _values(Transport))),
+        aggregate="max",
+    ),
 )
 
 CATALOGUE: Mapping[str, MetricSpec] = {str(spec.name.value): spec for spec in SPECS}
@@ -308,6 +372,8 @@ def check(name: str, kind: Kind, labels: Mapping[str, str] | None) -> tuple[Metr
             raise MetricError(
                 DropReason.BAD_VALUE, f"metric {spec.name.value}: a value of label {label!r} is not in its closed set"
             )
+    if spec.combos is not None and tuple(given[label] for label in spec.label_names) not in spec.combos:
+        raise MetricError(DropReason.BAD_VALUE, f"metric {spec.name.value}: a label combination that cannot happen")
     return spec, given
 
 

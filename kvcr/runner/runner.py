@@ -738,9 +738,9 @@ class KvcrRunner:
             return
         free = arena.free_count * state.spec.page_bytes
         self._metrics.set_gauge(M.DRAM_FREE_BYTES, free, {"pool": state.spec.name})
-        self._metrics.set_gauge(
-            M.DRAM_USED_BYTES, arena.slots * state.spec.page_bytes - free, {"pool": state.spec.name}
-        )
+        capacity = arena.slots * state.spec.page_bytes
+        self._metrics.set_gauge(M.DRAM_USED_BYTES, capacity - free, {"pool": state.spec.name})
+        self._metrics.set_gauge(M.DRAM_CAPACITY_BYTES, capacity, {"pool": state.spec.name})
 
     def _gauges(self) -> None:
         for state in self._pools.values():

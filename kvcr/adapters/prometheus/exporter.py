@@ -40,8 +40,9 @@ def start_exporter(registry: Any, port: int, host: str = "127.0.0.1") -> Metrics
     Raises:
         ConfigError: the port is out of range or cannot be bound (the message names --metrics-port).
     """
-    from prometheus_client import start_http_server
+    from prometheus_client import disable_created_metrics, start_http_server
 
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # this process is kvcr's own: no `_created` series beside every counter
     if not 0 <= port <= 65535:
         raise ConfigError(f"--metrics-port must be 0..65535, got {port}")
     try:

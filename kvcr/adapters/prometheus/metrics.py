@@ -66,7 +66,7 @@ class PrometheusMetrics:
             if spec.kind is Kind.COUNTER:
                 family = Counter(**common)
             elif spec.kind is Kind.GAUGE:
-                family = Gauge(**common, multiprocess_mode="livesum")
+                family = Gauge(**common, multiprocess_mode=spec.aggregate)
             else:
                 family = Histogram(**common, buckets=spec.buckets)
             self._families[spec.name.value] = (spec, family)
@@ -129,13 +129,14 @@ def _inc(value: float) -> Callable[[Any], None]:
 def _prefill(spec: MetricSpec, family: Any) -> None:
     if not spec.labels:
         return
-    sizes = 1
-    for _, allowed in spec.labels:
-        sizes *= len(allowed)
-    if sizes > _PREFILL_LIMIT:
+    if spec.combos is not None:
+        combos: list[tuple[str, ...]] = sorted(spec.combos)
+    else:
+        combos = list(itertools.product(*(sorted(allowed) for _, allowed in spec.labels)))
+    if len(combos) > _PREFILL_LIMIT or spec.name is MetricName.BUILD_INFO:  # build info: only the running build
         return
     names = spec.label_names
-    for combo in itertools.product(*(sorted(allowed) for _, allowed in spec.labels)):
+    for combo in combos:
         family.labels(**dict(zip(names, combo, strict=True)))
 
 

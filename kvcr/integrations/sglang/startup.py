@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvcr import __version__
 from kvcr.container import InventoryFactory, KvEventsSettings, build_container
 from kvcr.domain.errors import ConfigError, LayoutError
 from kvcr.domain.keys import NamespaceSpec
@@ -27,6 +28,7 @@ from kvcr.integrations.shared.kv_events import DynamoInventorySink
 from kvcr.integrations.shared.page_tokens import default_registry
 from kvcr.integrations.shared.settings import KvcrSettings
 from kvcr.ports.inventory import KvEventPublisher
+from kvcr.ports.metric_catalogue import MetricName
 from kvcr.ports.metrics import Metrics
 from kvcr.runner.config import RunnerConfig
 from kvcr.runner.node import NodeSettings, RunnerNode
@@ -187,6 +189,9 @@ def start(
         inventory=inventory,
         transport=settings.transport,
         control=control,
+        # SGLang's switch: its --enable-metrics sets enable_storage_metrics and collects every
+        # scheduler's series on its own /metrics; otherwise kvcr keeps them for kvcr_stats().
+        metrics="engine" if getattr(config, "enable_storage_metrics", False) else "memory",
     )
     try:
         node: RunnerNode | None = container.node() if node_settings is not None else None
@@ -198,6 +203,8 @@ def start(
         for published in sink:  # the publisher was bound: free its port for a retry
             published.close()
         raise
+    metrics = container.metrics()
+    metrics.set_gauge(MetricName.BUILD_INFO, 1, {"version": __version__, "transport": settings.transport})
     book = PrefetchBook(node.client) if node is not None else None
     restorer = Restorer(runner, node.client if node is not None else None, book)
     log.info(
@@ -207,7 +214,7 @@ def start(
         node.endpoint if node is not None else "none (local only)",
         kv_events.endpoint if kv_events is not None else "off",
     )
-    return Started(runner, node, restorer, container.metrics(), described, layout, sink[0] if sink else None)
+    return Started(runner, node, restorer, metrics, described, layout, sink[0] if sink else None)
 
 
 def _with_shard(described: DescribedPool, layout: RankLayout, config: Any) -> DescribedPool:

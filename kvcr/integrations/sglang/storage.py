@@ -34,6 +34,7 @@ from kvcr.integrations.sglang.startup import KV, Started, check_topology, rank_l
 from kvcr.integrations.sglang.stats import StorageStats, storage_metrics
 from kvcr.integrations.shared import hints_bridge
 from kvcr.integrations.shared.settings import KvcrSettings, parse_settings
+from kvcr.ports.metric_catalogue import Lookup, MetricName
 from kvcr.runner.restore import Source
 
 log = logging.getLogger(__name__)
@@ -180,9 +181,13 @@ class KvcrHiCacheStorage(HiCacheStorage):
             request=hints_bridge.current_request(),
             evidence=evidence,
         )
-        return hit_verdict(
+        verdict = hit_verdict(
             [PoolPresence(p.pool, p.policy, found.get(p.pool, ()), p.window, p.physical) for p in presences]
         )
+        metrics = started.metrics
+        metrics.increment(MetricName.LOOKUP_PAGES, verdict.pages, {"result": Lookup.HIT})
+        metrics.increment(MetricName.LOOKUP_PAGES, len(keys) - verdict.pages, {"result": Lookup.MISS})
+        return verdict
 
     def _shape(self, pool: str, policy: HitPolicy, window: int) -> PoolPresence:
         return PoolPresence(pool, policy, (), window, self._ready().described[pool].spec.physical)

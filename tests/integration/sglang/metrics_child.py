@@ -1,30 +1,30 @@
-"""Run by test_metrics_on_sglang.py as if it were an SGLang scheduler process: PROMETHEUS_MULTIPROC_DIR
-is inherited from the parent, the runner's metrics come from ``engine_metrics``; it backs up and
-restores pages, prints READY and stays alive (its gauges are live) until stdin closes."""
+"""Run by test_metrics_on_sglang.py as if it were an SGLang scheduler process.
+
+PROMETHEUS_MULTIPROC_DIR is inherited from the parent, as SGLang's launcher hands it to its
+schedulers. The backend is built the way SGLang builds it (the storage factory, ``dynamic``
+route, ``enable_storage_metrics`` on), then backs up 4 pages, answers a hit query that misses
+one page, restores 4 pages and misses one; it prints READY and stays alive (its gauges are live)
+until stdin closes.
+"""
 
 import sys
 
-from kvcr.adapters.local import MmapHostMemory, MonotonicClock, NullInventory
-from kvcr.adapters.prometheus import engine_metrics
-from kvcr.ports.metric_catalogue import LeaseRole, MetricName
-from tests.support import HostPool, kv_pool, make_runner, sequence
+from tests.integration.sglang import sg
 
 
 def main() -> int:
-    metrics = engine_metrics(True, strict=True)
-    pool = kv_pool()
-    memory = MmapHostMemory()
-    runner = make_runner((pool,), 8, memory, MonotonicClock(), metrics, NullInventory())
-    host = HostPool(pool, 32)
-    runner.register_host_pool("kv", host.regions)
-    pages = sequence(4)
-    assert all(runner.backup("kv", pages, [0, 1, 2, 3]))
-    assert all(o.restored for o in runner.restore("kv", pages, [10, 11, 12, 13]))
-    metrics.set_gauge(MetricName.LEASES_HELD, 2, {"role": LeaseRole.SOURCE})
+    host = sg.mha_host("page_first")
+    store = sg.backend(host, sg.storage_config(storage_metrics=True))
+    keys = sg.hashes(4)
+    src = host.alloc(4 * sg.P)
+    sg.fill(host, src, seed=1)
+    assert store.batch_set_v1(keys, src) == [True] * 4
+    assert store.batch_exists([*keys[:3], *sg.hashes(1, start=9000)]) == 3
+    assert store.batch_get_v1(keys, host.alloc(4 * sg.P)) == [True] * 4
+    assert store.batch_get_v1(sg.hashes(1, start=5000), host.alloc(sg.P)) == [False]
     print("READY", flush=True)
     sys.stdin.read()
-    runner.close()
-    memory.close()
+    store.close()
     return 0
 
 
