@@ -376,6 +376,7 @@ def _demo(args: argparse.Namespace) -> int:
         workdir=args.workdir,
         quiet=args.quiet,
         transport=args.transport,
+        metrics_port=args.metrics_port,
     )
     return run_cluster_demo(options)
 
@@ -412,6 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quiet", action="store_true", help="print only failures and the final table")
     demo.add_argument(
         "--transport", choices=("nixl", "ucx"), default="nixl", help="the workers' data plane for peer reads"
+    )
+    demo.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        help="worker i serves kvcr's /metrics on this loopback port + i (default: none)",
     )
     demo.add_argument(
         "--local-only", action="store_true", help="the single-process demo instead: one runner's local tier"

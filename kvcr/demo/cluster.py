@@ -47,6 +47,7 @@ class DemoOptions:
     token_delay_ms: float = 20.0
     stagger_s: float = 0.15
     transport: str = "nixl"
+    metrics_port: int | None = None  # worker i serves /metrics on this port + i
 
     @property
     def conversation_count(self) -> int:
@@ -200,6 +201,7 @@ def run_cluster_demo(options: DemoOptions) -> int:
                         max_tokens=options.reply_tokens,
                         token_delay_ms=options.token_delay_ms,
                         transport=options.transport,
+                        metrics_port=None if options.metrics_port is None else options.metrics_port + i,
                     )
                 )
                 for i in range(options.workers)
@@ -213,6 +215,8 @@ def run_cluster_demo(options: DemoOptions) -> int:
             f"frontend {deployment.url} (router-mode kv), {options.workers} workers over {options.transport}, "
             f"{options.page_kib} KiB pages of {PAGE_TOKENS} tokens; ready after {time.monotonic() - started:.0f} s"
         )
+        if options.metrics_port is not None:
+            console.print("kvcr metrics: " + ", ".join(f"{w.spec.name} {w.metrics_url}" for w in workers))
         progress = Progress(
             SpinnerColumn(),
             TextColumn("[progress.description]{task.description}"),

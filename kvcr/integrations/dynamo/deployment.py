@@ -86,6 +86,7 @@ class WorkerSpec:
     queue_delay_ms: float = 0.0
     operation_timeout_ms: int = 2000
     transport: str = "nixl"
+    metrics_port: int | None = None
     extra_args: tuple[str, ...] = ()
 
 
@@ -102,6 +103,13 @@ class Worker:
     @property
     def control_endpoint(self) -> str:
         return f"tcp://{LOOPBACK}:{self.control_port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where the worker serves kvcr's /metrics (None without ``metrics_port``)."""
+        if self.spec.metrics_port is None:
+            return None
+        return f"http://{LOOPBACK}:{self.spec.metrics_port}/metrics"
 
 
 @dataclass
@@ -211,6 +219,7 @@ class Deployment:
             "--transport",
             spec.transport,
             *(() if spec.hint_capability else ("--no-hint-capability",)),
+            *(() if spec.metrics_port is None else ("--metrics-port", str(spec.metrics_port))),
             *spec.extra_args,
         ]
         process, log = self._spawn(spec.name, args, self._env(DYN_SYSTEM_PORT=str(system)))

@@ -100,6 +100,7 @@ class KvcrWorker(LLMEngine):
         self.worker_id: int | None = None
         self._model: Any = None
         self._report = _Report(settings.report)
+        self._metrics_server: Any = None
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[KvcrWorker, WorkerConfig]:
@@ -123,6 +124,13 @@ class KvcrWorker(LLMEngine):
         capability = hint_capability(s.control_endpoint) if s.hint_capability else None
         prepare_sglang()
         self._model = await asyncio.to_thread(StandInModel, s)
+        if s.metrics_port is not None:
+            from prometheus_client import REGISTRY
+
+            from kvcr.adapters.prometheus import start_exporter
+
+            self._metrics_server = start_exporter(REGISTRY, s.metrics_port)
+            log.info("kvcr worker %s: metrics on %s", s.name, self._metrics_server.url)
         self.worker_id = worker_id
         self._report.write(
             {
@@ -133,6 +141,7 @@ class KvcrWorker(LLMEngine):
                 "hint_capability": s.hint_capability,
                 "page_tokens": s.page_tokens,
                 "page_bytes": self._model.page_bytes,
+                "metrics_url": self._metrics_server.url if self._metrics_server is not None else None,
             }
         )
         log.info("kvcr worker %s ready: kvcr at %s, hint capability %s", s.name, s.control_endpoint, s.hint_capability)
@@ -214,6 +223,8 @@ class KvcrWorker(LLMEngine):
         return {"status": "ok" if cleared else "error", "cleared": cleared}
 
     async def cleanup(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         model, self._model = self._model, None
         if model is not None:
             await asyncio.to_thread(model.close)

@@ -202,6 +202,8 @@ class StandInModel:
             prefetch_threshold=self.page_tokens,
             model_name=settings.model,
             storage_backend_extra_config=storage_extra_config(settings),
+            # --metrics-port: kvcr's series go to this process's default registry, which it serves
+            enable_storage_metrics=settings.metrics_port is not None,
         )
         self.store = self.controller.storage_backend
         self._page_shape = tuple(self.host.get_data_page(0, flat=True).shape)

@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvcr.adapters.local.host import available_memory_bytes
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.units import parse_byte_size
 
@@ -40,6 +41,7 @@ class WorkerSettings:
     operation_timeout_ms: int = 2000
     report: str | None = None
     transport: str = "nixl"
+    metrics_port: int | None = None
 
     @property
     def layers(self) -> int:
@@ -86,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--operation-timeout-ms", type=int, default=2000, help="kvcr peer operation timeout")
     p.add_argument("--report", default=None, help="append one JSON line per request to this file")
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve kvcr's Prometheus series on this loopback port's /metrics (0: a free one; default: none)",
+    )
+    p.add_argument(
         "--transport",
         choices=("nixl", "ucx"),
         default="nixl",
@@ -120,6 +128,20 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerSettings:
             raise ConfigError(f"{option} must be in 0..60000, got {delay}")
     if args.host in ("", "*", "0.0.0.0", "::"):
         raise ConfigError(f"--host must be an address peers can dial, got {args.host!r}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    if not os.path.isdir(args.model):
+        raise ConfigError(
+            f"--model {args.model!r} is not a directory: kvcr worker serves a local model directory "
+            "(its tokenizer and config), and fetches nothing from a hub"
+        )
+    dram_bytes = parse_byte_size(args.dram, name="--dram")
+    available = available_memory_bytes()
+    if available is not None and dram_bytes > available:
+        raise ConfigError(
+            f"--dram {args.dram} ({dram_bytes} bytes) is more than this host has available "
+            f"({available >> 20} MiB); lower --dram"
+        )
     return WorkerSettings(
         model=args.model,
         name=args.name or f"worker-{os.getpid()}",
@@ -133,7 +155,7 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerSettings:
         page_tokens=args.page_tokens,
         page_bytes=page_bytes,
         host_pages=args.host_pages,
-        dram_bytes=parse_byte_size(args.dram, name="--dram"),
+        dram_bytes=dram_bytes,
         hint_capability=not args.no_hint_capability,
         max_tokens=args.max_tokens,
         token_delay_s=args.token_delay_ms / 1000,
@@ -141,4 +163,5 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerSettings:
         operation_timeout_ms=args.operation_timeout_ms,
         report=args.report,
         transport=args.transport,
+        metrics_port=args.metrics_port,
     )

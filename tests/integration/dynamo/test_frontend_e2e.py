@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+import kvcr
 from kvcr.integrations.dynamo.deployment import Deployment, DeploymentError, Worker, WorkerSpec
 from kvcr.integrations.dynamo.tiny_model import token_id
+from tests.support import free_port
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.nixl, pytest.mark.timeout(240)]
 
@@ -41,8 +44,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Deployme
     try:
         deployment.start_frontend()
         workers = {
-            "a": deployment.start_worker(WorkerSpec("a", token_delay_ms=TOKEN_DELAY_MS)),
-            "b": deployment.start_worker(WorkerSpec("b", token_delay_ms=TOKEN_DELAY_MS, queue_delay_ms=QUEUE_DELAY_MS)),
+            "a": deployment.start_worker(WorkerSpec("a", token_delay_ms=TOKEN_DELAY_MS, metrics_port=free_port())),
+            "b": deployment.start_worker(
+                WorkerSpec("b", token_delay_ms=TOKEN_DELAY_MS, queue_delay_ms=QUEUE_DELAY_MS, metrics_port=free_port())
+            ),
         }
         deployment.wait_ready(workers.values())
         yield deployment, workers
@@ -105,6 +110,26 @@ def test_the_router_hints_a_to_b_and_b_reads_as_pages_over_nixl(cluster):
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == PREFIX_PAGES * PAGE
     # The busy request found its prefix in A's own kvcr.
     assert d.record_of(busy.reply)["worker"] == "a" and d.record_of(busy.reply)["local_pages"] == PREFIX_PAGES
+    # Each worker's --metrics-port shows it: B restored the pages from a peer, A served them.
+    pages_b, pages_a = scrape(w["b"]), scrape(w["a"])
+    assert pages_b[("kvcr_pages_total", (("outcome", "ok"), ("path", "remote_restore")))] >= PREFIX_PAGES
+    assert pages_a[("kvcr_pages_total", (("outcome", "ok"), ("path", "served")))] >= PREFIX_PAGES
+    assert pages_a[("kvcr_build_info", (("transport", "nixl"), ("version", kvcr.__version__)))] == 1
+    assert not [name for name, _ in pages_a if name.endswith("_created")]
+
+
+def scrape(worker: Worker) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A worker's /metrics (``--metrics-port``), parsed by prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert worker.metrics_url is not None
+    with urllib.request.urlopen(worker.metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def test_a_stale_hint_after_a_evicted_is_a_miss_and_no_error(cluster):

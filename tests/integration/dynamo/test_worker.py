@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +12,8 @@ from kvcr.domain.errors import ConfigError
 from kvcr.integrations.dynamo.worker import hint_capability
 from kvcr.integrations.dynamo.worker_settings import parse_worker_args
 
-BASE = ["--model", "m", "--control-port", "30001", "--kv-events-port", "30002"]
+MODEL = str(Path(__file__).parent)  # any directory stands for a model directory here
+BASE = ["--model", MODEL, "--control-port", "30001", "--kv-events-port", "30002"]
 
 
 def test_the_settings_carry_the_page_geometry_and_endpoints():
@@ -29,6 +31,9 @@ def test_the_settings_carry_the_page_geometry_and_endpoints():
         (["--queue-delay-ms", "-1"], "--queue-delay-ms"),
         (["--host", "0.0.0.0"], "--host"),
         (["--dram", "lots"], "--dram"),
+        (["--dram", "1TiB"], "--dram 1TiB .* more than this host has available"),
+        (["--metrics-port", "70000"], "--metrics-port"),
+        (["--model", "/nonexistent/model"], "--model '/nonexistent/model' is not a directory"),
     ],
 )
 def test_a_bad_option_is_a_config_error_naming_it(extra, option):
@@ -57,3 +62,14 @@ def test_the_worker_command_refuses_bad_options_in_one_line():
     )
     assert done.returncode == 2
     assert done.stderr.strip() == "kvcr worker: --control-port must be in 1..65535, got 0"
+
+
+def test_a_missing_model_directory_is_one_line_before_dynamo_starts():
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcr.cli", "worker", "--model", "/nonexistent", *BASE[2:]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("kvcr worker: --model '/nonexistent' is not a directory")
