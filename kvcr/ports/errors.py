@@ -8,6 +8,7 @@
           +-- ControlTimeout    a control request got no reply in time           -> misses
           +-- PeerRefused       the peer refused us (auth, incompatibility)      -> misses
           +-- RegistrationError memory could not be registered                   -> raise at start-up
+          +-- AddressInUse      a port kvcr must bind is taken                   -> raise at start-up
           +-- MemoryCopyError   a local copy failed part-way                     -> page not stored / miss
 
 The degrade rule: every TransportError during a restore turns the affected pages into misses;
@@ -31,6 +32,10 @@ class ControlTimeout(TransportError, TimeoutError):
 
 class PeerRefused(TransportError):
     """The peer answered with a refusal (authentication, version, namespace)."""
+
+
+class AddressInUse(TransportError):
+    """An address kvcr must listen on is held by another socket (start-up names the setting)."""
 
 
 class RegistrationError(TransportError):

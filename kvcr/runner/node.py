@@ -113,7 +113,11 @@ class RunnerNode:
         self.client = PeerClient(
             runner, control, data_plane, memory, clock, metrics, settings.peer, self.host_region_ids, self.staging
         )
-        control.serve(self.server.handle)
+        try:
+            control.serve(self.server.handle)
+        except BaseException:
+            self.close()  # a port in use: free the arenas, registrations and sockets made so far
+            raise
 
     @property
     def endpoint(self) -> str:

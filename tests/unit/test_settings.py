@@ -1,6 +1,7 @@
 """kvcr's backend settings: every bad value is refused with one line naming the setting."""
 
 import os
+import re
 import threading
 
 import pytest
@@ -94,6 +95,18 @@ def test_the_allowlist_takes_hosts_and_networks():
     assert settings.allows("10.2.3.4") and settings.allows("replica-b.example") and settings.allows("::1")
     assert not settings.allows("192.168.0.1") and not settings.allows("replica-c.example")
     assert parse_settings({}).allows("anything")
+
+
+@pytest.mark.parametrize("entry", ["10.0.0.0/33", "10.0.0.300", "1.2.3", "fd00::/129", "bad host", "-dash.example"])
+def test_an_allowlist_entry_that_can_match_nothing_is_refused_naming_it(entry):
+    """A /33 was accepted, and every hint was then source_not_allowed."""
+    with pytest.raises(ConfigError, match=rf"peer_allowlist entry '{re.escape(entry)}' is not an address"):
+        parse_settings({"peer_allowlist": [entry]})
+
+
+def test_a_bracketed_ipv6_network_matches_like_an_unbracketed_one():
+    settings = parse_settings({"peer_allowlist": ["[fd00::]/8"]})
+    assert settings.allows("fd00::5") and settings.allows("[fd00::5]") and not settings.allows("fe80::1")
 
 
 def _error_of(call, *args):

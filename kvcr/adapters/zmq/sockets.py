@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvcr.ports.errors import TransportError
+from kvcr.ports.errors import AddressInUse, TransportError
 
 WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
@@ -34,4 +34,5 @@ def bind_with_retry(zmq: Any, sock: Any, address: str, retry_s: float, what: str
             if exc.errno == zmq.EADDRINUSE and time.monotonic() < give_up:
                 time.sleep(0.02)
                 continue
-            raise TransportError(f"cannot bind {what} {address}: {exc}") from exc
+            error = AddressInUse if exc.errno == zmq.EADDRINUSE else TransportError
+            raise error(f"cannot bind {what} {address}: {exc}") from exc

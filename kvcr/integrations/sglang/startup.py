@@ -27,6 +27,7 @@ from kvcr.integrations.sglang.pools import DescribedPool, describe_host_pool
 from kvcr.integrations.shared.kv_events import DynamoInventorySink
 from kvcr.integrations.shared.page_tokens import default_registry
 from kvcr.integrations.shared.settings import KvcrSettings
+from kvcr.ports.errors import AddressInUse
 from kvcr.ports.inventory import KvEventPublisher
 from kvcr.ports.metric_catalogue import MetricName
 from kvcr.ports.metrics import Metrics
@@ -194,7 +195,7 @@ def start(
         metrics="engine" if getattr(config, "enable_storage_metrics", False) else "memory",
     )
     try:
-        node: RunnerNode | None = container.node() if node_settings is not None else None
+        node: RunnerNode | None = _node(container, settings, layout) if node_settings is not None else None
         runner = node.runner if node is not None else container.runner()
         for name, d in described.items():
             if d.spec.physical:
@@ -215,6 +216,21 @@ def start(
         kv_events.endpoint if kv_events is not None else "off",
     )
     return Started(runner, node, restorer, metrics, described, layout, sink[0] if sink else None)
+
+
+def _node(container: Any, settings: KvcrSettings, layout: RankLayout) -> RunnerNode:
+    """The rank's node; a control port someone else holds is a ConfigError that says which and what to do."""
+    try:
+        node: RunnerNode = container.node()
+    except AddressInUse as exc:
+        base = settings.control_port
+        port = layout.control_port(base)
+        raise ConfigError(
+            f"control_port {base} + this rank's offset {port - base} = port {port} on "
+            f"{settings.control_host} is in use by another process (another kvcr or SGLang server on this "
+            f"host?): give each server its own control_port range ({exc})"
+        ) from None
+    return node
 
 
 def _with_shard(described: DescribedPool, layout: RankLayout, config: Any) -> DescribedPool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -101,8 +102,7 @@ class KvcrSettings:
             return host in self.peer_allowlist
         for entry in self.peer_allowlist:
             try:
-                # an IPv6 entry may be written as in an endpoint, in brackets
-                if address in ipaddress.ip_network(entry.strip("[]"), strict=False):
+                if address in ipaddress.ip_network(_unbracketed(entry), strict=False):
                     return True
             except ValueError:
                 continue  # a host name: never the text of an address
@@ -240,11 +240,40 @@ def _check(s: KvcrSettings) -> None:
         raise ConfigError(f"policy must be one of {', '.join(sorted(POLICIES))}, got {_shown(s.policy)}")
     if s.rotation_token_files and s.auth_token_file is None:
         raise ConfigError("rotation_token_files needs auth_token_file (the token this node binds with)")
+    for entry in s.peer_allowlist:
+        _check_allowlist_entry(entry)
     if s.enable_remote_hint and s.control_port == 0:
         raise ConfigError("enable_remote_hint needs a control_port (peers and hints name control endpoints)")
     s.timing()  # the cross-field rules (abandon >= operation, control <= operation, lease > margin)
     if s.kv_events_endpoint is not None:
         _check_events_endpoint(s.kv_events_endpoint)
+
+
+_HOST_NAME = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+)
+
+
+def _check_allowlist_entry(entry: str) -> None:
+    """An address, a network (``10.0.0.0/8``, ``[fd00::]/8``) or a host name; anything else matches nothing."""
+    text = _unbracketed(entry)
+    try:
+        ipaddress.ip_network(text, strict=False)
+        return
+    except ValueError as exc:
+        if "/" in entry or _looks_numeric(text) or not _HOST_NAME.fullmatch(text):
+            raise ConfigError(
+                f"peer_allowlist entry {_shown(entry)} is not an address, a network or a host name ({exc})"
+            ) from None
+
+
+def _unbracketed(entry: str) -> str:
+    """An IPv6 entry may be written as in an endpoint, in brackets (``[fd00::1]``, ``[fd00::]/8``)."""
+    return entry.replace("[", "").replace("]", "")
+
+
+def _looks_numeric(text: str) -> bool:
+    return ":" in text or all(part.isdigit() for part in text.split("."))
 
 
 def _check_events_endpoint(endpoint: str) -> None:

@@ -151,3 +151,16 @@ def test_the_last_dp_replica_may_publish_on_port_65535_and_none_past_it(stores):
     with pytest.raises(ConfigError) as err:
         stores(kv_events_endpoint="tcp://127.0.0.1:65535", dp_rank=1)
     assert str(err.value) == "kv_events_endpoint port 65535 + dp rank 1 runs past 65535"
+
+
+@pytest.mark.nixl
+def test_a_control_port_in_use_names_control_port_the_rank_offset_and_what_to_do(stores):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError) as caught:
+            stores(transport="nixl", control_port=port - 1, tp_rank=1, tp_size=2)
+    message = str(caught.value)
+    assert message.startswith(f"control_port {port - 1} + this rank's offset 1 = port {port} on 127.0.0.1 is in use")
+    assert "give each server its own control_port range" in message
