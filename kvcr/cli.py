@@ -7,6 +7,7 @@ option to change; nothing here prints a traceback for an expected failure.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -541,12 +542,48 @@ def _doctor_checks() -> tuple[str, ...]:
     return CHECKS
 
 
+# What each command imports beyond kvcr's base dependencies, and the extra that installs it.
+_EXTRAS = {"rich": "demo", "matplotlib": "bench", "dynamo": "dynamo"}
+
+
+def _needs(args: argparse.Namespace) -> list[str]:
+    plots = not getattr(args, "no_plot", False)
+    if args.command == "demo":
+        if args.local_only:
+            return []
+        return ["rich", "dynamo", *(["matplotlib"] if args.plot else [])]
+    if args.command == "bench" and plots:
+        return ["matplotlib"]
+    return []
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _missing_extras(args: argparse.Namespace, installed: Callable[[str], bool] = _installed) -> str | None:
+    """One line naming what the command needs and the pip command that installs it, before it starts."""
+    missing = [module for module in _needs(args) if not installed(module)]
+    if not missing:
+        return None
+    extras = sorted({_EXTRAS[module] for module in missing})
+    fix = f'pip install "kvcr-runner[{",".join(extras)}]"'
+    if "dynamo" in missing:
+        fix += ' && pip install --no-deps "ai-dynamo==1.6.1"'
+    no_plot = " (or --no-plot)" if args.command == "bench" else ""
+    return f"needs {', '.join(missing)}, which is not installed: {fix}{no_plot}; see docs/install.md"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:
         return _worker(argv[1:])  # its own parser: the options are the worker's
     args = build_parser().parse_args(argv)
     name = " ".join(part for part in ("kvcr", args.command, getattr(args, "bench", None)) if part)
+    missing = _missing_extras(args)
+    if missing:
+        print(f"{name}: {missing}", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args))
     except KvcrError as exc:  # bad input or a refused setting: one line naming it

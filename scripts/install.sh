@@ -20,7 +20,7 @@
 # install). Force a full run with KVCR_FORCE_INSTALL=1; KVCR_INSTALL_VERBOSE=1 shows pip's output.
 # See docs/dev-environment.md.
 set -euo pipefail
-unset PYTHONPATH  # e.g. tests/stubs: its torchvision stub dist-info must not look installed to pip
+unset PYTHONPATH  # e.g. kvcr/testing/stubs: its torchvision stub dist-info must not look installed to pip
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVCR_VENV:-$REPO/.venv}"

@@ -63,7 +63,7 @@ PIP=("$VPY" -m pip --disable-pip-version-check --no-input -q)
 # SGLang imports torchvision unconditionally and PyPI's torchvision cannot load beside CPU torch: the
 # CPU recipe uses the dev tree's import-only stub (a GPU deployment has the real one).
 SITE="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-cp -r "$REPO/tests/stubs/torchvision" "$REPO/tests/stubs/torchvision-0.0.0+stub.dist-info" "$SITE/"
+cp -r "$REPO/kvcr/testing/stubs/torchvision" "$REPO/kvcr/testing/stubs/torchvision-0.0.0+stub.dist-info" "$SITE/"
 ENGINE_BEFORE="$("$VPY" -c 'import importlib.metadata as m; print(m.version("torch"), m.version("sglang"))')"
 
 # 3. the README's SGLang command, as typed by an operator (no kvcr constraints file).

@@ -21,16 +21,22 @@ LAYER_BYTES = 2 * PAGE_TOKENS * HEADS * HEAD_DIM * 2  # K and V of one layer of 
 
 def prepare_environment() -> None:
     repo = Path(__file__).resolve().parents[2]
+    # a checkout keeps caches in its ignored .cache/; an installed wheel in the user's cache directory
+    cache = repo / ".cache" if (repo / "pyproject.toml").is_file() else _user_cache()
     for var, sub in (
         ("SGLANG_CACHE_DIR", "sglang"),
         ("TORCH_EXTENSIONS_DIR", "torch_extensions"),
         ("TRITON_CACHE_DIR", "triton"),
         ("HF_HOME", "huggingface"),
     ):
-        os.environ.setdefault(var, str(repo / ".cache" / sub))
-    stubs = repo / "tests" / "stubs"
+        os.environ.setdefault(var, str(cache / sub))
+    stubs = Path(__file__).resolve().parent / "stubs"  # shipped in the wheel, so the demo runs from it
     if importlib.util.find_spec("torchvision") is None and stubs.is_dir() and str(stubs) not in sys.path:
         sys.path.append(str(stubs))
+
+
+def _user_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvcr"
 
 
 def host_pool(

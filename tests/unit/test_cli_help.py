@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from kvcr.cli import _Help, build_parser, main
+from kvcr.cli import _Help, _missing_extras, build_parser, main
 
 
 def subparsers(parser, path=("kvcr",)):
@@ -51,3 +51,32 @@ def test_a_bad_value_found_while_running_is_one_line_without_a_traceback(capsys)
     assert err.startswith("kvcr bench local: ") and "--page-sizes" in err and err.count("\n") == 1
     assert main(["bench", "remote", "--batches", "8,x"]) == 2
     assert "--batches" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "absent", "says"),
+    [
+        (
+            ["bench", "local"],
+            {"matplotlib"},
+            'needs matplotlib, which is not installed: pip install "kvcr-runner[bench]" (or --no-plot)',
+        ),
+        (["demo"], {"rich"}, 'needs rich, which is not installed: pip install "kvcr-runner[demo]";'),
+        (
+            ["demo", "--plot", "p.png"],
+            {"rich", "matplotlib", "dynamo"},
+            'pip install "kvcr-runner[bench,demo,dynamo]" && pip install --no-deps "ai-dynamo==1.6.1"',
+        ),
+    ],
+)
+def test_a_command_whose_extra_is_missing_says_which_pip_command_installs_it(argv, absent, says):
+    """Both ended in a traceback after the documented install (matplotlib, rich were not named)."""
+    message = _missing_extras(build_parser().parse_args(argv), installed=lambda module: module not in absent)
+    assert message is not None and says in message
+
+
+def test_a_command_with_its_extras_or_without_plots_needs_nothing_more():
+    parse = build_parser().parse_args
+    assert _missing_extras(parse(["bench", "local", "--no-plot"]), installed=lambda module: False) is None
+    assert _missing_extras(parse(["demo", "--local-only"]), installed=lambda module: False) is None
+    assert _missing_extras(parse(["demo"])) is None  # this checkout's venv has every extra

@@ -47,7 +47,7 @@ def prepare_sglang() -> None:
     """SGLang on a CPU-only machine: caches under the checkout, an import-only torchvision, one rank.
 
     Must run before SGLang is imported. The torchvision stub comes from the repository's
-    ``tests/stubs`` when no torchvision is installed (SGLang imports it unconditionally).
+    ``kvcr/testing/stubs`` (shipped in the wheel) when no torchvision is installed (SGLang imports it unconditionally).
     """
     from kvcr.testing.sglang import prepare_environment
 

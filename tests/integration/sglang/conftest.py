@@ -17,7 +17,7 @@ for var, sub in (
     os.environ.setdefault(var, str(REPO / ".cache" / sub))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-_STUBS = str(REPO / "tests" / "stubs")
+_STUBS = str(REPO / "kvcr" / "testing" / "stubs")
 if _STUBS not in sys.path:
     sys.path.append(_STUBS)
 

@@ -35,7 +35,7 @@ def scrape_sglang_metrics(tmp_path, monkeypatch):
     from starlette.applications import Starlette
     from starlette.testclient import TestClient
 
-    stubs = REPO / "tests" / "stubs"  # SGLang imports torchvision; CPU hosts have none
+    stubs = REPO / "kvcr" / "testing" / "stubs"  # SGLang imports torchvision; CPU hosts have none
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), PYTHONPATH=f"{REPO}:{stubs}")
     child = subprocess.Popen(
         [sys.executable, "-m", "tests.integration.sglang.metrics_child"],

@@ -5,7 +5,8 @@ reached from ``mem_cache.pool_host.*``) import torchvision at module level, and 
 imports ``torchvision.transforms.v2.functional`` / ``torchvision.io`` when it sees torchvision present.
 PyPI's torchvision wheels are built against CUDA torch and fail to load next to torch 2.13.0+cpu
 (``operator torchvision::nms does not exist``), so the kvcr test environment puts this package on
-``PYTHONPATH`` (``tests/stubs``) instead of installing torchvision.
+``sys.path`` (``kvcr/testing/stubs``, shipped in the wheel for the demo and benchmarks) instead of
+installing torchvision.
 
 What it does:
 * every ``torchvision.<anything>`` submodule imports (a meta-path finder makes an empty package for it);
@@ -44,7 +45,7 @@ class _PlaceholderMeta(type):
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
             f"{cls.__module__}.{cls.__qualname__} is a placeholder from kvcr's import-only torchvision "
-            "stub (tests/stubs); real torchvision is not installed in this environment"
+            "stub (kvcr/testing/stubs); real torchvision is not installed in this environment"
         )
 
     def __repr__(cls) -> str:
