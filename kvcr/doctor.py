@@ -8,11 +8,14 @@ Checks, in order (each can be skipped with ``--skip``):
                  the source to progress. Quiet on a zero-copy path (CMA, RDMA); a warning naming
                  the cause on software emulation (``UCX_TLS=tcp``, CMA blocked).
 * ``config``     the SGLang extra-config (``--sglang-config``), parsed as the backend would.
-* ``sglang``     SGLang's version (kvcr is built against 0.5.23).
+* ``sglang``     SGLang's version (kvcr is built against 0.5.23), and that what kvcr's backend
+                 imports from SGLang (its storage API, host pools, storage factory) imports here.
+* ``memory``     ``dram_bytes`` x the ranks on this host fits in the memory the host has available,
+                 and what that leaves for SGLang's own host pool.
 * ``page-keys``  kvcr's page keys equal SGLang's own page hashes (chained, 64-bit token ids).
 * ``ports``      the control ports of every TP rank (base + rank) and the metrics port are free.
-* ``token``      the cluster token file: a regular file, at least 16 bytes, not readable or
-                 writable by other users.
+* ``token``      the cluster token file, by the backend's own rule (``read_token_file``): what it
+                 refuses is a failure here, never a warning.
 
 Exit code: 0 when every check passed, 2 when some only warned (kvcr works, degraded), 1 when one
 failed (kvcr would not work, or not safely). Nothing here raises: a check that breaks reports
@@ -33,12 +36,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcr.adapters.local.host import available_memory_bytes
 from kvcr.domain.errors import KvcrError
 
 SGLANG_VERSION = "0.5.23"
 NIXL_VERSION = "1.5.1"
-TOKEN_MIN_BYTES = 16
-CHECKS = ("versions", "nixl", "transport", "config", "sglang", "page-keys", "ports", "token")
+CHECKS = ("versions", "nixl", "transport", "config", "sglang", "memory", "page-keys", "ports", "token")
+# What kvcr's SGLang backend imports at start-up (SGLang's storage API, its host pools, its factory).
+SGLANG_MODULES = (
+    "sglang.srt.mem_cache.hicache_storage",
+    "sglang.srt.mem_cache.pool_host.mha",
+    "sglang.srt.mem_cache.storage.backend_factory",
+    "kvcr.integrations.sglang",
+)
 
 
 class Status(str, enum.Enum):
@@ -89,6 +99,7 @@ def run_doctor(options: DoctorOptions, report: Callable[[Finding], None] = lambd
         ("transport", lambda: check_transport(options.read_bytes)),
         ("config", lambda: config_finding),
         ("sglang", check_sglang_version),
+        ("memory", lambda: check_memory(_get(settings, "dram_bytes"), options.tp_size)),
         ("page-keys", check_page_keys),
         ("ports", lambda: check_ports(*_ports(options, settings))),
         ("token", lambda: check_token(options.token_file or _get(settings, "auth_token_file"))),
@@ -162,7 +173,38 @@ def check_sglang_version() -> Finding:
         return Finding(
             "sglang", Status.WARN, f"sglang {version}; kvcr is built against sglang {SGLANG_VERSION}'s storage API"
         )
-    return Finding("sglang", Status.OK, f"sglang {version}")
+    for module in SGLANG_MODULES:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # what the backend would hit at start-up, in one line
+            hint = " (CPU hosts: see docs/install.md)" if "torchvision" in str(exc) else ""
+            return Finding(
+                "sglang",
+                Status.FAIL,
+                f"sglang {version}: kvcr's backend cannot import {module}: {_one_line(exc)}{hint}",
+            )
+    return Finding("sglang", Status.OK, f"sglang {version}; kvcr's backend imports")
+
+
+def check_memory(dram_bytes: int, ranks: int, available: Callable[[], int | None] = available_memory_bytes) -> Finding:
+    """kvcr DRAM is per rank: ``ranks`` arenas of ``dram_bytes`` must fit in what the host has free."""
+    have = available()
+    need = dram_bytes * ranks
+    wanted = f"dram_bytes {_gib(dram_bytes)} x {ranks} rank(s) = {_gib(need)}"
+    if have is None:
+        return Finding("memory", Status.WARN, f"{wanted}; this host does not say how much memory is available")
+    if need > have:
+        return Finding(
+            "memory",
+            Status.FAIL,
+            f"{wanted}, but this host has {_gib(have)} available: lower dram_bytes to at most "
+            f"{_gib(have // max(1, ranks))} per rank, less what SGLang's own host pool needs",
+        )
+    return Finding("memory", Status.OK, f"{wanted} of {_gib(have)} available; {_gib(have - need)} left for SGLang")
+
+
+def _gib(size: int) -> str:
+    return f"{size / (1 << 30):.1f} GiB"
 
 
 def check_page_keys() -> Finding:
@@ -219,31 +261,20 @@ def check_ports(host: str, ports: Sequence[tuple[str, int]]) -> Finding:
 
 
 def check_token(path_text: str | None) -> Finding:
+    """The token file by the rule the backend applies at start-up; anything it refuses fails here."""
     if not path_text:
         return Finding("token", Status.SKIP, "no auth_token_file: peers are not authenticated (loopback-only setups)")
+    from kvcr.integrations.shared.settings import read_token_file
+
     path = Path(path_text)
     try:
+        size = len(read_token_file(str(path)))
         info = path.stat()
+    except KvcrError as exc:
+        return Finding("token", Status.FAIL, f"{exc}; kvcr will not start with it")
     except OSError as exc:
         return Finding("token", Status.FAIL, f"auth_token_file {path}: {exc.strerror or exc}")
-    if not stat.S_ISREG(info.st_mode):
-        return Finding("token", Status.FAIL, f"auth_token_file {path} is not a regular file")
     mode = stat.S_IMODE(info.st_mode)
-    fix = f"chmod 600 {path}"
-    if mode & (stat.S_IROTH | stat.S_IWOTH):
-        return Finding("token", Status.FAIL, f"{path} is readable or writable by every user (mode {mode:04o}): {fix}")
-    if mode & stat.S_IWGRP:
-        return Finding("token", Status.FAIL, f"{path} is writable by its group (mode {mode:04o}): {fix}")
-    try:
-        size = len(path.read_bytes().strip())
-    except OSError as exc:
-        return Finding("token", Status.FAIL, f"auth_token_file {path}: {exc.strerror or exc}")
-    if size < TOKEN_MIN_BYTES:
-        return Finding(
-            "token", Status.FAIL, f"{path} holds {size} bytes; a cluster token needs at least {TOKEN_MIN_BYTES}"
-        )
-    if mode & stat.S_IRGRP:
-        return Finding("token", Status.WARN, f"{path} is readable by its group (mode {mode:04o}): {fix} unless meant")
     if info.st_uid != os.geteuid():
         return Finding("token", Status.WARN, f"{path} belongs to uid {info.st_uid}, not to this user")
     return Finding("token", Status.OK, f"{path}: {size} bytes, mode {mode:04o}")

@@ -11,12 +11,15 @@ from kvcr.doctor import (
     DoctorOptions,
     Finding,
     Status,
+    check_memory,
     check_ports,
     check_token,
     exit_code,
     run_doctor,
     summary,
 )
+from kvcr.domain.errors import ConfigError
+from kvcr.integrations.shared.settings import parse_settings
 from tests.support import free_port
 
 HEAVY = frozenset({"nixl", "transport", "sglang", "page-keys"})
@@ -35,18 +38,30 @@ def test_a_private_token_of_16_bytes_or_more_passes(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("data", "mode", "status", "says"),
+    ("data", "mode", "says"),
     [
-        (b"0123456789abcdef", 0o644, Status.FAIL, "chmod 600"),
-        (b"0123456789abcdef", 0o606, Status.FAIL, "every user"),
-        (b"0123456789abcdef", 0o620, Status.FAIL, "writable by its group"),
-        (b"short-token\n", 0o600, Status.FAIL, "at least 16"),
-        (b"0123456789abcdef", 0o640, Status.WARN, "readable by its group"),
+        (b"0123456789abcdef", 0o644, "chmod 600"),
+        (b"0123456789abcdef", 0o606, "group or others"),
+        (b"0123456789abcdef", 0o620, "group or others"),
+        (b"short-token\n", 0o600, "at least 16"),
+        (b"0123456789abcdef", 0o640, "group or others"),  # was a WARN ("kvcr will work") while the backend refused it
     ],
 )
-def test_a_token_others_can_read_or_a_short_one_is_refused(tmp_path, data, mode, status, says):
-    finding = check_token(token(tmp_path, data, mode))
-    assert finding.status is status and says in finding.detail
+def test_a_token_the_backend_refuses_fails_the_doctor_as_the_backend_fails_its_start(tmp_path, data, mode, says):
+    path = token(tmp_path, data, mode)
+    finding = check_token(path)
+    assert finding.status is Status.FAIL and says in finding.detail and "kvcr will not start" in finding.detail
+    with pytest.raises(ConfigError):  # what start-up does with the same file
+        parse_settings({"auth_token_file": path}).token()
+
+
+def test_the_memory_check_counts_every_rank_and_says_what_is_left():
+    gib = 1 << 30
+    ok = check_memory(4 * gib, 2, available=lambda: 23 * gib)
+    assert ok.status is Status.OK and "8.0 GiB" in ok.detail and "15.0 GiB left for SGLang" in ok.detail
+    short = check_memory(32 * gib, 2, available=lambda: 23 * gib)  # 32 GiB x TP 2 on a 23 GiB host was "ok config"
+    assert short.status is Status.FAIL and "64.0 GiB" in short.detail and "at most 11.5 GiB per rank" in short.detail
+    assert check_memory(gib, 1, available=lambda: None).status is Status.WARN
 
 
 def test_a_missing_token_file_or_a_directory_fails_naming_the_path(tmp_path):
@@ -109,7 +124,7 @@ def test_the_cli_prints_one_line_per_check_and_returns_the_exit_code(capsys, tmp
     )
     lines = capsys.readouterr().out.splitlines()
     assert rc == 0 and len(lines) == len(CHECKS) + 1
-    assert lines[-1].startswith("doctor: 3 ok, 0 warning(s), 0 failure(s), 5 skipped")
+    assert lines[-1].startswith("doctor: 4 ok, 0 warning(s), 0 failure(s), 5 skipped")
 
 
 def test_an_unknown_check_to_skip_is_named(capsys):
