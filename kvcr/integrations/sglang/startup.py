@@ -145,7 +145,7 @@ def start(
     layout = rank_layout(config)
     described = {
         name: _with_shard(
-            describe_host_pool(name, pool, anchor=name == KV, hit_policy=HitPolicy.ALL_PAGES), layout, config
+            describe_host_pool(name, pool, anchor=name == KV, hit_policy=hit_policy(name)), layout, config
         )
         for name, pool in host_pools.items()
     }
