@@ -151,3 +151,16 @@ def test_the_anchor_ends_where_an_all_pages_sidecar_lacks_a_page_and_the_hit_que
     assert derived == {n: [True, True, False, True] for n in ALL}  # local pages past the hole are read too ...
     assert anchor == [True, True, False, True]  # ... and the anchor says so, page for page
     assert leading(anchor) == result.kv_hit_pages  # SGLang keeps the leading run: the hit
+
+
+def test_the_v1_hit_query_counts_what_the_anchor_read_restores(v4):
+    # SGLang asks batch_exists (no pool transfers) when an operation carries no sidecar transfers;
+    # the anchor read that follows answers from the ALL_PAGES sidecars, so the query must too.
+    store, pools = v4
+    keys = sg.hashes(4)
+    back_up(store, pools, keys, trailing_at=[3], all_pages=[0, 1, 3])
+    hits = store.batch_exists(keys)
+    anchor = store.batch_get_v1(keys, page_indices(4, 8))
+    assert hits == leading(anchor) == 2
+    back_up(store, pools, keys, trailing_at=[3])
+    assert store.batch_exists(keys) == leading(store.batch_get_v1(keys, page_indices(4, 8))) == 4

@@ -220,7 +220,7 @@ def test_a_logical_anchor_answers_hits_and_reads_that_agree():
         stored = store.batch_set_v2([PoolTransfer(name="indexer", keys=keys[:3], host_indices=slots)])
         assert stored == {"indexer": [True] * 3}
         assert store.batch_set_v1(keys[:3], anchor_indices(3)) == [True] * 3  # no bytes: nothing to fail
-        assert store.batch_exists(keys) == 0  # a bare logical anchor is no evidence: no traceback either
+        assert store.batch_exists(keys) == 3  # no transfers named: the anchor stands on the indexer, as its reads do
         with_indexer = [PoolTransfer(name="indexer", keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
         assert store.batch_exists_v2(keys, with_indexer).kv_hit_pages == 3
         assert store.batch_get_v1(keys, anchor_indices(4)) == [True, True, True, False]  # agrees with the hit
@@ -286,6 +286,7 @@ def test_a_logical_anchor_alone_holds_no_page():
         keys = sg.hashes(2)
         assert store.batch_set_v1(keys, anchor_indices(2)) == [True, True]  # no bytes to keep
         assert store.batch_get_v1(keys, anchor_indices(2)) == [False, False]
+        assert store.batch_exists(keys) == 0  # a bare logical anchor is no evidence: no hit, no traceback
     finally:
         store.close()
 
