@@ -211,7 +211,7 @@ class KvcrHiCacheStorage(HiCacheStorage):
                 self._fail_stop(restored.uncertain)
             results.update(restored.restored)
             for name, keys in logical.items():
-                results[name] = self._evidence(keys, started)
+                results[name] = self._evidence(keys, started, extra_info)
             if KV in requests:
                 self._record(self._stats.prefetch, results[KV], started, started_at)
         except FailStop:
@@ -241,12 +241,18 @@ class KvcrHiCacheStorage(HiCacheStorage):
             requests[name] = (keys, slots)
         return requests, logical
 
-    def _evidence(self, keys: list[str], started: Started) -> list[bool]:
-        """A logical anchor's pages are as available as every physical ALL_PAGES pool makes them."""
+    def _evidence(self, keys: list[str], started: Started, extra_info: Any) -> list[bool]:
+        """A logical anchor's pages are as available as every physical ALL_PAGES pool makes them.
+
+        Counted as the hit query counted them, local or from the pools' sources: the sidecar reads
+        that follow take what this books (under a request id), or lease it anew.
+        """
         pools = _anchor_evidence(started)
         if not pools:
             return [False] * len(keys)
-        found = started.restorer.presence(keys, pools, {}, evidence=pools)
+        found = started.restorer.presence(
+            keys, pools, self._sources(extra_info, pools), request=hints_bridge.current_request(), evidence=pools
+        )
         return [all(found[p][i] for p in pools) for i in range(len(keys))]
 
     def _fail_stop(self, reason: str) -> None:

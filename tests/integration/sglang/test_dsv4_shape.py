@@ -17,7 +17,9 @@ from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer
 from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool, DeepSeekV4StateHostPool, LogicalHostPool
 
 from kvcr.integrations.sglang import KvcrHiCacheStorage
+from kvcr.integrations.shared import hints_bridge
 from tests.integration.sglang import sg
+from tests.integration.sglang.test_remote import hint
 
 PAGES = 17
 ALL = ("deepseek_v4_c4", "deepseek_v4_c4_indexer")  # KV-derived: the anchor's host indices
@@ -164,3 +166,32 @@ def test_the_v1_hit_query_counts_what_the_anchor_read_restores(v4):
     assert hits == leading(anchor) == 2
     back_up(store, pools, keys, trailing_at=[3])
     assert store.batch_exists(keys) == leading(store.batch_get_v1(keys, page_indices(4, 8))) == 4
+
+
+@pytest.mark.parametrize("request_id", [None, "req-v4"])  # without and with the plugin naming the request
+def test_a_hinted_v4_replica_counts_and_reads_the_same_pages_from_its_source(request_id):
+    source, source_pools = v4_store(control_port=sg.free_port())
+    reader, pools = v4_store(control_port=sg.free_port(), enable_remote_hint=True)
+    try:
+        keys = sg.hashes(4)
+        back_up(source, source_pools, keys, trailing_at=[1, 3])
+        info = hint(source.control_port, keys)
+        with hints_bridge.active(request_id):
+            assert reader.batch_exists(keys, info) == 4
+            result = reader.batch_exists_v2(keys, v2_query(keys, 4), info)
+            assert result.kv_hit_pages == 4 and result.restorable_prefix_pages == [2, 4]
+            assert reader.batch_get_v1(keys, page_indices(4, 8), info) == [True] * 4
+            derived = [PoolTransfer(name=n, keys=keys, host_indices=page_indices(4, 8)) for n in ALL]
+            assert reader.batch_get_v2(derived, info) == {n: [True] * 4 for n in ALL}
+            window = [PoolTransfer(name=n, keys=keys[3:], host_indices=page_indices(1, 12)) for n in TRAILING]
+            assert reader.batch_get_v2(window, info) == {n: [True] for n in TRAILING}
+        if request_id is not None:
+            hints_bridge.prefetch_finished(request_id)  # the plugin, when the prefetch ends
+        for name in ALL:
+            assert page_bytes(pools[name], 8, 4) == page_bytes(source_pools[name], 0, 4)
+        for name in TRAILING:
+            assert page_bytes(pools[name], 12, 1) == page_bytes(source_pools[name], 3, 1)
+        assert source.runner.active_leases == 0 and reader.kvcr_stats()["held_remote_pages"] == 0
+    finally:
+        reader.close()
+        source.close()
