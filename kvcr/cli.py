@@ -14,6 +14,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
@@ -124,6 +125,13 @@ def _measure_local(args: argparse.Namespace, progress: _Progress) -> list[Any]:
     ]
 
 
+def _bench_request() -> AbstractContextManager[object]:
+    """The request scope kvcr's plugin gives SGLang's hit query and prefetch (the lease is booked for the read)."""
+    from kvcr.integrations.shared import hints_bridge
+
+    return hints_bridge.active("bench")
+
+
 def _measure_sglang(args: argparse.Namespace, progress: _Progress) -> tuple[list[Any], list[Any]]:
     from kvcr.bench.sglang import run_sglang, run_sglang_remote
     from kvcr.testing.sglang import LAYER_BYTES
@@ -148,7 +156,7 @@ def _measure_sglang(args: argparse.Namespace, progress: _Progress) -> tuple[list
         remote = [
             progress.step(
                 f"sglang: {format_byte_size(s)} pages x {args.pages} (hinted remote)",
-                partial(run_sglang_remote, s // LAYER_BYTES, args.pages, args.reps),
+                partial(run_sglang_remote, s // LAYER_BYTES, args.pages, args.reps, request=_bench_request),
             )
             for s in sizes
         ]

@@ -19,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 
 from kvcr.adapters.local import MmapHostMemory
@@ -154,13 +156,21 @@ class SglangRemoteResult:
     verified: bool
 
 
-def run_sglang_remote(layers: int, pages: int, reps: int) -> SglangRemoteResult:
+def run_sglang_remote(
+    layers: int,
+    pages: int,
+    reps: int,
+    request: Callable[[], AbstractContextManager[object]] = nullcontext,
+) -> SglangRemoteResult:
     """Hinted remote restore through SGLang's calls vs a raw NIXL READ of the same pieces.
 
     Replica A (``kvcr.testing.sglang_replica``, another process) holds the pages. Replica B is a kvcr
     backend built by SGLang's factory. Per repetition, interleaved: a raw NIXL READ of A's leased
     pieces into B's destination host slots; ``batch_exists`` with the hint (LEASE) then
     ``batch_get_v1`` (the READ, timed alone as "get" and with the hit query as "exists+get").
+    ``request`` is the scope both calls run in: SGLang with kvcr's plugin runs them under the
+    request's id (the CLI passes ``hints_bridge.active``), so the hit query's lease is booked for
+    the read; without one the read leases again.
     """
     prepare_environment()
     import torch
@@ -226,12 +236,13 @@ def run_sglang_remote(layers: int, pages: int, reps: int) -> SglangRemoteResult:
             store.node.client.release(lease)
 
             def exists_and_get() -> float:
-                if store.batch_exists(keys, hint) != pages:
-                    raise RuntimeError("the hinted hit query did not count every page")
-                started = time.perf_counter()
-                if not all(store.batch_get_v1(keys, dst, hint)):
-                    raise RuntimeError("the hinted read did not restore every page")
-                return time.perf_counter() - started
+                with request():  # the hit query's lease is booked for the read only under a request id
+                    if store.batch_exists(keys, hint) != pages:
+                        raise RuntimeError("the hinted hit query did not count every page")
+                    started = time.perf_counter()
+                    if not all(store.batch_get_v1(keys, dst, hint)):
+                        raise RuntimeError("the hinted read did not restore every page")
+                    return time.perf_counter() - started
 
             host.kv_buffer.zero_()
             exists_and_get()

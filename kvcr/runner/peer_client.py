@@ -270,6 +270,8 @@ class PeerClient:
         link = lease.link
         if link is None or lease.released:
             return {pool: [miss("lease released")] * len(o) for pool, o in outcomes.items()}
+        if self._newer(link) is not None:  # the source restarted since: its slots are another process's
+            return {pool: [miss("the source restarted since the lease")] * len(o) for pool, o in outcomes.items()}
         now = self._clock.now()
         give_up = min(now + self._timing.operation_s, lease.usable_until(self._timing.lease_margin_s))
         wanted: list[_Wanted] = []
@@ -476,7 +478,7 @@ class PeerClient:
             handle = self._data_plane.read(link.peer.name, runs, lease=lease.lease_id)
         except TransportError as exc:
             log.info("kvcr: read from %s refused: %s", lease.endpoint, exc)
-            self._mark_down(lease.endpoint, "read refused")
+            self._mark_down(lease.endpoint, "read refused", link)
             return miss("peer unavailable"), True
         state = self._wait(handle, give_up)
         completed_at = self._clock.now()
@@ -484,7 +486,7 @@ class PeerClient:
             return self._give_up(lease, handle, staged=staged, timed_out_at=give_up)
         self._data_plane.release(handle)
         if state is not TransferState.DONE:
-            self._mark_down(lease.endpoint, f"read {state.value}")
+            self._mark_down(lease.endpoint, f"read {state.value}", link)
             return failed(f"read {state.value}"), True
         if not lease_accepts(lease.sent_at, lease.ttl_s, self._timing.lease_margin_s, completed_at):
             return failed("read finished after the lease"), True
@@ -498,8 +500,8 @@ class PeerClient:
         why = failed("read would outlive the lease" if expired else "read timed out")
         state = self._data_plane.cancel(handle)
         if not state.terminal:
-            self._forget(lease.endpoint)  # disconnect: the strongest stop the transport has
-            self._mark_down(lease.endpoint, "a read stalled")
+            # Drop the link and disconnect its peer (the strongest stop the transport has).
+            self._mark_down(lease.endpoint, "a read stalled", lease.link)
             # A transport that fences on disconnect says so at once; give it a moment, no more.
             state = self._wait(handle, self._clock.now() + 0.5 if not staged else self._clock.now())
         self._fail(FailureReason.LEASE_EXPIRED if expired else FailureReason.TIMEOUT)
@@ -631,7 +633,30 @@ class PeerClient:
         if lease_id:
             self._control.send(link.endpoint, protocol.encode(protocol.Release(link.session, [lease_id])))
 
-    def _mark_down(self, endpoint: str, why: str) -> None:
+    def _newer(self, link: _Link) -> _Link | None:
+        """The link of a newer incarnation that answered HELLO at ``link``'s endpoint since, if any."""
+        with self._lock:
+            current = self._links.get(link.endpoint)
+        if current is None or current is link or current.incarnation == link.incarnation:
+            return None
+        return current
+
+    def _mark_down(self, endpoint: str, why: str, failed: _Link | None = None) -> None:
+        """Skip ``endpoint`` for ``retry_after_s`` and drop its link, control connection and data-plane peer.
+
+        ``failed``: the link a failed read used. When a newer incarnation of the source answered HELLO
+        since, the failure is its predecessor's: only the old data-plane peer is disconnected (when the
+        transport names the two apart), and the new process is neither skipped nor dropped.
+        """
+        newer = self._newer(failed) if failed is not None else None
+        if failed is not None and newer is not None:
+            log.info(
+                "kvcr: a read from %s's previous incarnation failed (%s); its new one is not skipped", endpoint, why
+            )
+            if failed.peer.name != newer.peer.name:
+                with contextlib.suppress(TransportError):
+                    self._data_plane.disconnect(failed.peer.name)
+            return
         log.info("kvcr: peer %s skipped for %.1fs: %s", endpoint, self._timing.retry_after_s, why)
         self._fail(FailureReason.PEER_UNAVAILABLE)
         with self._lock:

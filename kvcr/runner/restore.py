@@ -60,7 +60,9 @@ class Restorer:
         """Per pool, per page: available locally or leased now from the pool's source.
 
         Pages are leased only inside the span every ``evidence`` pool (physical ALL_PAGES) could
-        still cover, so a query never pins pages past the first page no one has.
+        still cover, so a query never pins pages past the first page no one has. Leases are booked
+        for the read only under a ``request`` id (the engine then says when it cuts the hit or ends
+        the prefetch); without one they are released before this returns and the read leases anew.
         """
         runner = self._runner
         local = {pool: runner.exists(pool, keys) for pool in pools}
@@ -94,7 +96,10 @@ class Restorer:
                     if lease.holds(pool, keys[i]):
                         present[pool][i] = True
                         booked.append((pool, keys[i]))
-            book.add(lease, booked, request)
+            if request is None:
+                self._client.release(lease)  # nothing would release it early: hold nothing past this call
+            else:
+                book.add(lease, booked, request)
         return present
 
     def read(

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcr.integrations.shared import hints_bridge
 from kvcr.soak.pattern import PageView, prompt_keys
 
 LAYER_PAGE_BYTES = 256 << 10  # one layer of one page of kvcr.testing.sglang's pool (K and V)
@@ -264,7 +265,8 @@ class ReplicaState:
     def exists(self, keys: list[str], hint: str | None, kind: str = "exists") -> dict[str, Any]:
         stats = self._kind(kind)
         extra = self._hint(hint, keys)
-        hits, seconds, error = self._call(stats, lambda: self.store.batch_exists(keys, extra))
+        with hints_bridge.active(_request(keys)):  # as SGLang's prefetch thread runs it, with kvcr's plugin
+            hits, seconds, error = self._call(stats, lambda: self.store.batch_exists(keys, extra))
         with self.lock:
             stats.ops += 1
             stats.pages += len(keys)
@@ -279,7 +281,9 @@ class ReplicaState:
         indices = self._indices(first_slot, len(keys))
         late = sum(self.view.unpoisoned(first_slot + i) for i in range(len(keys)))
         extra = self._hint(hint, keys)
-        results, seconds, error = self._call(stats, lambda: self.store.batch_get_v1(keys, indices, extra))
+        with hints_bridge.active(_request(keys)):
+            results, seconds, error = self._call(stats, lambda: self.store.batch_get_v1(keys, indices, extra))
+        hints_bridge.prefetch_finished(_request(keys))  # the plugin, when the prefetch ends: unread leases go
         results = [bool(r) for r in results] if results is not None else [False] * len(keys)
         wrong_pages = wrong_bytes = 0
         for i, (key, ok) in enumerate(zip(keys, results, strict=False)):
@@ -462,6 +466,11 @@ def _skewed(rng: random.Random, prompts: list[int]) -> int:
     if rng.random() < 0.5:
         return prompts[rng.randrange(max(1, len(prompts) // 4))]
     return rng.choice(prompts)
+
+
+def _request(keys: list[str]) -> str:
+    """The request id a prompt's hit query and prefetch run under (one prompt, one request)."""
+    return f"soak-{keys[0][:16]}" if keys else "soak-empty"
 
 
 COMMANDS = ("backup", "exists", "get", "restore", "poison", "stats", "workload", "halt", "close")

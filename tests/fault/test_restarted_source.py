@@ -65,3 +65,34 @@ def test_a_restarted_source_refuses_old_leases_and_serves_new_ones(cluster, figu
     figures.record(fault)
     cluster.close_checked(target)
     cluster.close_checked(new)
+
+
+def test_a_restarted_source_that_answered_hello_is_not_skipped_for_its_predecessors_failed_read(cluster, figures):
+    fault = Fault("source restarted, the new one answered HELLO first; the old lease read after")
+    settings = {"operation_timeout_ms": OP_MS, "peer_retry_ms": 5000}  # a skip would outlast the test
+    target = cluster.start("target", layers=LAYERS, host_pages=2 * PAGES, dram_pages=4, settings=settings)
+    port = free_port()
+    source = {"layers": LAYERS, "host_pages": 2 * PAGES, "dram_pages": 4 * PAGES}
+    old = cluster.start("old", port=port, **source)
+    read, held = prompt_keys(20, PAGES), prompt_keys(21, PAGES)
+    assert all(old.ask("backup", keys=held, first_slot=PAGES, seed=1)["stored"])
+    assert fault.call(target.ask("exists", keys=held, hint=old.endpoint), BOUND_S)["hits"] == PAGES  # booked
+    old.signal(signal.SIGKILL)
+    old.process.join(10)
+    new = cluster.start("new", port=port, **source)
+    assert all(new.ask("backup", keys=read, first_slot=0, seed=2)["stored"])
+    assert all(new.ask("backup", keys=held, first_slot=PAGES, seed=2)["stored"])
+    # Another request's hit query meets the new process first (its session is unknown there: HELLO) ...
+    assert fault.call(target.ask("exists", keys=read, hint=new.endpoint), BOUND_S)["hits"] == PAGES
+    # ... then the prefetch booked against the old process reads: a miss, and the old one's failure only.
+    stale = fault.call(target.ask("get", keys=held, first_slot=PAGES, hint=new.endpoint, seed=2), BOUND_S)
+    assert not any(stale["results"]), "a read under the old incarnation's lease was accepted"
+    for keys, slot in ((read, 0), (held, PAGES)):  # at once: the new process is not skipped
+        fresh = fault.call(target.ask("restore", keys=keys, first_slot=slot, hint=new.endpoint, seed=2), BOUND_S)
+        assert fresh["results"] == [True] * PAGES, "the new incarnation was skipped for the old one's failure"
+        fault.trials += 1
+    fault.poison(target, 0, 2 * PAGES)
+    fault.alive(target)
+    figures.record(fault)
+    cluster.close_checked(target)
+    cluster.close_checked(new)

@@ -222,6 +222,60 @@ def test_a_restarted_source_is_asked_again_once_and_only_once(cluster):
     assert failures(b, "peer_refused") == 2 and failures(b, "peer_unavailable") == 0  # not skipped for it
 
 
+def restarted(cluster, a, pages):
+    """A new process at A's address (A goes away, another starts: a new incarnation, other bytes)."""
+    a.close()
+    a2 = cluster.make("A", port=int(a.endpoint.rsplit(":", 1)[1]))
+    seed(a2, pages, range(len(pages)), salt="restarted")
+    return a2
+
+
+def test_a_lease_of_the_old_incarnation_is_a_miss_and_the_new_one_that_answered_hello_is_not_skipped(cluster, caplog):
+    a, b = cluster.make("A"), cluster.make("B")
+    pages = sequence(2)
+    seed(a, pages, [0, 1])
+    old = b.client.lease(a.endpoint, [("kv", pages[:1])])  # booked at hit-query time, not read yet
+    a2 = restarted(cluster, a, pages)
+    with caplog.at_level(logging.INFO):
+        new = b.client.lease(a2.endpoint, [("kv", pages[1:])])  # UNKNOWN_SESSION, then HELLO: the new process
+        assert new is not None and new.link.incarnation != old.link.incarnation
+        stale = b.client.read(old, [PoolRead("kv", pages[:1], [5])])
+        assert reasons(stale) == ["the source restarted since the lease"]
+        assert b.hosts["kv"].read_page(5) == bytes(512)  # nothing was read under the old slots
+        fresh = b.client.read(new, [PoolRead("kv", pages[1:], [6])])
+    assert [o.outcome for o in fresh["kv"]] == [Outcome.RESTORED]
+    assert b.hosts["kv"].read_page(6) == content(pages[1], 512, "restarted")
+    assert skipped(caplog, a2.endpoint) == [] and failures(b, "peer_unavailable") == 0
+    assert b.client.lease(a2.endpoint, [("kv", pages)]) is not None
+
+
+def test_an_old_incarnations_read_failing_after_the_new_one_answered_hello_skips_nothing(cluster, caplog, monkeypatch):
+    a, b = cluster.make("A"), cluster.make("B")
+    pages = sequence(2)
+    seed(a, pages, [0, 1])
+    old = b.client.lease(a.endpoint, [("kv", pages[:1])])
+    later = {}
+    real = b.data_plane.read
+
+    def restart_while_reading(*args, **kwargs):
+        handle = real(*args, **kwargs)  # posted to the old process ...
+        if not later:  # ... which dies; another request's hit query meets the new one
+            later["a2"] = restarted(cluster, a, pages)
+            later["lease"] = b.client.lease(a.endpoint, [("kv", pages[1:])])
+        return handle
+
+    monkeypatch.setattr(b.data_plane, "read", restart_while_reading)
+    with caplog.at_level(logging.INFO):
+        stale = b.client.read(old, [PoolRead("kv", pages[:1], [5])])
+        assert not any(o.restored for o in stale["kv"])
+        assert later["lease"] is not None
+        fresh = b.client.read(later["lease"], [PoolRead("kv", pages[1:], [6])])
+    assert [o.outcome for o in fresh["kv"]] == [Outcome.RESTORED]  # its link was not dropped for the old read
+    assert b.hosts["kv"].read_page(6) == content(pages[1], 512, "restarted")
+    assert skipped(caplog, a.endpoint) == [] and failures(b, "peer_unavailable") == 0
+    assert b.client.lease(a.endpoint, [("kv", pages)]) is not None  # not skipped for peer_retry_ms
+
+
 # ---------------------------------------------------------------------------------------------- lease replies
 
 

@@ -76,11 +76,27 @@ def test_local_pages_count_and_the_source_leases_the_rest_once(nodes):
     assert [book.held("kv", p) is not None for p in pages] == [False, True, True, True]
 
 
+def test_a_hit_query_without_a_request_id_holds_nothing_once_it_returns(nodes):
+    # No request id: nobody will say the engine cut the hit or dropped the prefetch, so a lease kept
+    # past the call could pin up to half the source's pool for nothing until it expires.
+    _, a, b, book, restorer = nodes
+    pages = sequence(4)
+    seed(a, pages, range(4))
+    seed(b, pages[:1], [0])
+    found = restorer.presence(pages, ["kv"], {"kv": Source(a.endpoint)}, evidence=["kv"])
+    assert found == {"kv": [True] * 4}  # the count is still exact: the source granted the pages
+    assert a.runner.active_leases == 0 and restorer.booked == 0 and len(book) == 0
+    result = restorer.read({"kv": (pages, [10, 11, 12, 13])}, {"kv": Source(a.endpoint)})
+    assert result.restored == {"kv": [True] * 4}  # the read leases what it reads, then releases it
+    assert [host_bytes(b, "kv", 10 + i) for i in range(4)] == [expected(p, "kv") for p in pages]
+    assert a.runner.active_leases == 0
+
+
 def test_pages_the_source_does_not_hold_stay_missing(nodes):
     _, a, _, _, restorer = nodes
     pages = sequence(3)
     seed(a, pages[:2], [0, 1])
-    found = restorer.presence(pages, ["kv"], {"kv": Source(a.endpoint)}, evidence=["kv"])
+    found = restorer.presence(pages, ["kv"], {"kv": Source(a.endpoint)}, request="r", evidence=["kv"])
     assert found == {"kv": [True, True, False]}
     assert restorer.booked == 2
 
@@ -92,7 +108,7 @@ def test_nothing_is_leased_past_the_first_page_no_evidence_pool_can_cover(nodes)
     seed(a, pages[:2], [0, 1])  # A's KV stops at page 2
     hinted = Source(a.endpoint, frozenset(router_id(p) for p in pages[:2]))
     sources = {"kv": hinted, "indexer": Source(a.endpoint)}
-    found = restorer.presence(pages, ["kv", "indexer"], sources, evidence=["kv", "indexer"])
+    found = restorer.presence(pages, ["kv", "indexer"], sources, request="r", evidence=["kv", "indexer"])
     assert found == {"kv": [True, True, False, False], "indexer": [True, True, False, False]}
     assert restorer.booked == 4  # two pages of each pool; indexer pages 3 and 4 were not pinned
 
@@ -102,9 +118,9 @@ def test_pages_booked_earlier_do_not_count_past_the_first_page_the_evidence_lack
     pages = sequence(4)
     seed(a, pages, range(4), pool="indexer")
     seed(a, pages[:2], [0, 1])  # A's KV stops at page 2
-    assert restorer.presence(pages, ["indexer"], {"indexer": Source(a.endpoint)}, evidence=["indexer"]) == {
-        "indexer": [True] * 4
-    }
+    assert restorer.presence(
+        pages, ["indexer"], {"indexer": Source(a.endpoint)}, request="r", evidence=["indexer"]
+    ) == {"indexer": [True] * 4}
     assert [book.held("indexer", p) is not None for p in pages] == [True] * 4
     hinted = Source(a.endpoint, frozenset(router_id(p) for p in pages[:2]))
     found = restorer.presence(pages, ["kv", "indexer"], {"kv": hinted, "indexer": Source(a.endpoint)}, evidence=["kv"])
@@ -240,7 +256,7 @@ def test_take_groups_booked_pages_by_their_lease(nodes):
     first = booked(nodes, 2)
     other = sequence(2, start=900)
     seed(a, other, [20, 21])
-    restorer.presence(other, ["kv"], {"kv": Source(a.endpoint)}, evidence=["kv"])
+    restorer.presence(other, ["kv"], {"kv": Source(a.endpoint)}, request="r", evidence=["kv"])
     groups = book.take([("kv", first[0]), ("kv", other[1]), ("kv", first[1]), ("kv", "f" * 64)])
     assert sorted(sorted(p for _, p in items) for _, items in groups) == sorted([sorted(first), [other[1]]])
     assert len({id(lease) for lease, _ in groups}) == 2
@@ -271,7 +287,7 @@ def test_a_lease_that_can_no_longer_be_read_in_time_is_forgotten(nodes):
     cluster.clock.advance(0.02)
     assert book.held("kv", pages[0]) is None and len(book) == 0
     assert lease.released  # expired at the source too: no RELEASE is sent for it
-    found = restorer.presence(pages, ["kv"], {"kv": Source(a.endpoint)}, evidence=["kv"])
+    found = restorer.presence(pages, ["kv"], {"kv": Source(a.endpoint)}, request="r", evidence=["kv"])
     assert found == {"kv": [True, True]} and len(book) == 2  # a fresh lease
 
 
@@ -338,7 +354,7 @@ def test_booked_pages_count_on_a_later_query_without_a_source(nodes):
     pages = sequence(3)
     seed(a, pages, range(3))
     seed(b, pages[:1], [0])
-    restorer.presence(pages, ["kv"], {"kv": Source(a.endpoint)}, evidence=["kv"])
+    restorer.presence(pages, ["kv"], {"kv": Source(a.endpoint)}, request="r", evidence=["kv"])
     assert restorer.booked == 2
     again = restorer.presence(pages, ["kv"], {}, evidence=["kv"])  # no hint this time: the book still counts
     assert again == {"kv": [True, True, True]} and a.runner.active_leases == 1

@@ -100,6 +100,15 @@ def check_topology(config: Any, settings: KvcrSettings) -> None:
         )
     if config.dcp_size > 1:
         raise ConfigError("kvcr does not support decode context parallelism (dcp_size > 1) yet")
+    if config.attn_cp_size > 1:
+        # Under DP attention SGLang hands storage the attention-TP rank, so rank 0 of every CP group
+        # is a writer of the same rank-agnostic keys; and a CP strategy may leave each rank a slice
+        # of a page (SGLang's own unified key scheme refuses CP for that reason). See docs/sglang.md.
+        raise ConfigError(
+            f"kvcr refuses attention context parallelism (--attn-cp-size {config.attn_cp_size}): SGLang does not "
+            "tell storage whether a CP rank's pages are whole or its slice, so no shard identity could keep a "
+            "peer from serving another rank's bytes; use --attn-cp-size 1"
+        )
     if config.is_mla_model and config.tp_size > 1 and not settings.control_port:
         raise ConfigError(
             "MLA at TP > 1 needs control_port: only TP rank 0 backs up the replicated KV and the other ranks "
@@ -148,7 +157,7 @@ def start(
     layout = rank_layout(config)
     described = {
         name: _with_shard(
-            describe_host_pool(name, pool, anchor=name == KV, hit_policy=HitPolicy.ALL_PAGES), layout, config
+            describe_host_pool(name, pool, anchor=name == KV, hit_policy=hit_policy(name)), layout, config
         )
         for name, pool in host_pools.items()
     }

@@ -164,6 +164,7 @@ class KvcrHiCacheStorage(HiCacheStorage):
     def _exists(self, keys: list[str], transfers: list[Any], extra_info: Any) -> Any:
         started = self._ready()
         presences = [self._shape(KV, HitPolicy.ALL_PAGES, len(keys))]
+        named = {KV}
         for transfer in transfers:
             name = _name(transfer.name)
             if name == KV:
@@ -172,6 +173,13 @@ class KvcrHiCacheStorage(HiCacheStorage):
             if policy is None or name not in started.described:
                 raise LayoutError(f"pool {name!r} or its hit policy {_name(transfer.hit_policy)!r} is not served")
             presences.append(self._shape(name, policy, max(1, len(transfer.keys or ()))))
+            named.add(name)
+        if not started.described[KV].spec.physical:
+            # A logical anchor's pages stand on the physical ALL_PAGES pools (its reads answer from
+            # them, ``_evidence``), whether or not the query names them: hits and reads agree.
+            presences.extend(
+                self._shape(n, HitPolicy.ALL_PAGES, 1) for n in _anchor_evidence(started) if n not in named
+            )
         physical = [p.pool for p in presences if p.physical]
         evidence = [p.pool for p in evidence_pools(presences)]
         found = started.restorer.presence(
@@ -208,7 +216,7 @@ class KvcrHiCacheStorage(HiCacheStorage):
                 self._fail_stop(restored.uncertain)
             results.update(restored.restored)
             for name, keys in logical.items():
-                results[name] = self._evidence(keys, started)
+                results[name] = self._evidence(keys, started, extra_info)
             if KV in requests:
                 self._record(self._stats.prefetch, results[KV], started, started_at)
         except FailStop:
@@ -238,14 +246,18 @@ class KvcrHiCacheStorage(HiCacheStorage):
             requests[name] = (keys, slots)
         return requests, logical
 
-    def _evidence(self, keys: list[str], started: Started) -> list[bool]:
-        """A logical anchor's pages are as available as every physical ALL_PAGES pool makes them."""
-        pools = [
-            n for n, d in started.described.items() if d.spec.physical and d.spec.hit_policy is HitPolicy.ALL_PAGES
-        ]
+    def _evidence(self, keys: list[str], started: Started, extra_info: Any) -> list[bool]:
+        """A logical anchor's pages are as available as every physical ALL_PAGES pool makes them.
+
+        Counted as the hit query counted them, local or from the pools' sources: the sidecar reads
+        that follow take what this books (under a request id), or lease it anew.
+        """
+        pools = _anchor_evidence(started)
         if not pools:
             return [False] * len(keys)
-        found = started.restorer.presence(keys, pools, {}, evidence=pools)
+        found = started.restorer.presence(
+            keys, pools, self._sources(extra_info, pools), request=hints_bridge.current_request(), evidence=pools
+        )
         return [all(found[p][i] for p in pools) for i in range(len(keys))]
 
     def _fail_stop(self, reason: str) -> None:
@@ -393,6 +405,11 @@ class _Transfer:
 
     def __init__(self, name: str, host_indices: Any, keys: list[str]) -> None:
         self.name, self.host_indices, self.keys = name, host_indices, keys
+
+
+def _anchor_evidence(started: Started) -> list[str]:
+    """The pools a logical anchor's pages stand on: every physical ALL_PAGES pool (none: no evidence)."""
+    return [n for n, d in started.described.items() if d.spec.physical and d.spec.hit_policy is HitPolicy.ALL_PAGES]
 
 
 def _parent(extra_info: Any) -> str | None:

@@ -14,6 +14,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvcr.domain.keys import router_id
 from kvcr.integrations.sglang import KvcrHiCacheStorage
+from kvcr.integrations.shared import hints_bridge
 from tests.integration.sglang import sg
 
 
@@ -58,11 +59,12 @@ def test_a_hint_with_a_hole_hits_only_up_to_the_hole(replicas):
     sg.fill(hosts_a["kv"], src, seed=41)
     assert a.batch_set_v1(keys, src) == [True] * 3  # A holds all three pages
     holed = hint(port_a, [keys[0], keys[2]])  # ... but the router names pages 0 and 2 only
-    assert b.batch_exists(keys, holed) == 1
-    assert a.runner.active_leases == 1  # page 0 only: nothing past the hole is pinned
-    assert b.kvcr_stats()["held_remote_pages"] == 1
-    dst = hosts_b["kv"].alloc(sg.P)  # SGLang allocates host pages for the hit only
-    assert b.batch_get_v1(keys[:1], dst, holed) == [True]
+    with hints_bridge.active("req-holed"):  # the plugin names the request: leases are booked for its read
+        assert b.batch_exists(keys, holed) == 1
+        assert a.runner.active_leases == 1  # page 0 only: nothing past the hole is pinned
+        assert b.kvcr_stats()["held_remote_pages"] == 1
+        dst = hosts_b["kv"].alloc(sg.P)  # SGLang allocates host pages for the hit only
+        assert b.batch_get_v1(keys[:1], dst, holed) == [True]
     assert sg.pages_equal(hosts_a["kv"], src[: sg.P], hosts_b["kv"], dst)
     assert a.runner.active_leases == 0
 
@@ -93,12 +95,14 @@ def test_v2_a_peer_completes_a_local_side_pool_run_shorter_than_the_local_kv_run
     b.batch_set_v2([transfer(PoolName.INDEXER, PoolHitPolicy.ALL_PAGES, keys[:2], ix_b)])
     side = transfer(PoolName.INDEXER, PoolHitPolicy.ALL_PAGES)
     assert b.batch_exists_v2(keys, [side]).kv_hit_pages == 2  # without a hint the side pool cuts the hit
-    result = b.batch_exists_v2(keys, [side], hint(port_a, keys))
-    assert result.kv_hit_pages == 4
-    assert result.restorable_prefix_pages == [1, 2, 3, 4]
-    assert b.kvcr_stats()["held_remote_pages"] == 2  # only the indexer pages B lacks were leased
-    dst = hosts_b["indexer"].alloc(2 * sg.P)
-    got = b.batch_get_v2([transfer(PoolName.INDEXER, PoolHitPolicy.ALL_PAGES, keys[2:], dst)], hint(port_a, keys))
+    with hints_bridge.active("req-side"):
+        result = b.batch_exists_v2(keys, [side], hint(port_a, keys))
+        assert result.kv_hit_pages == 4
+        assert result.restorable_prefix_pages == [1, 2, 3, 4]
+        assert b.kvcr_stats()["held_remote_pages"] == 2  # only the indexer pages B lacks were leased
+        dst = hosts_b["indexer"].alloc(2 * sg.P)
+        read = [transfer(PoolName.INDEXER, PoolHitPolicy.ALL_PAGES, keys[2:], dst)]
+        got = b.batch_get_v2(read, hint(port_a, keys))
     assert got == {"indexer": [True, True]}
     assert sg.pages_equal(hosts_a["indexer"], ix_a[2 * sg.P :], hosts_b["indexer"], dst)
     assert a.runner.active_leases == 0

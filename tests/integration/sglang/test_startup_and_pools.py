@@ -38,6 +38,20 @@ def test_each_unsupported_topology_is_refused_saying_why():
     )
 
 
+@pytest.mark.parametrize(("mla", "cp_rank"), [(True, 0), (True, 1), (False, 0), (False, 1)])
+def test_attention_context_parallelism_is_refused_naming_the_setting(mla, cp_rank):
+    # SGLang's CP ranks (attention-TP rank 0 of each CP group is a storage writer under DP attention)
+    # write the same rank-agnostic keys, and storage is not told whether a rank's page is whole or a slice.
+    cp = dataclasses.replace(sg.storage_config(mla=mla, control_port=32100), attn_cp_rank=cp_rank, attn_cp_size=2)
+    assert refusal(cp) == (
+        "kvcr refuses attention context parallelism (--attn-cp-size 2): SGLang does not tell storage whether a "
+        "CP rank's pages are whole or its slice, so no shard identity could keep a peer from serving another "
+        "rank's bytes; use --attn-cp-size 1"
+    )
+    with pytest.raises(ConfigError, match="--attn-cp-size"):
+        sg.backend(sg.mha_host("page_first"), cp)  # SGLang's own factory route fails at construction
+
+
 def test_the_supported_topologies_pass():
     check_topology(dataclasses.replace(sg.storage_config(mla=True), dcp_size=1, dcp_rank=0), KvcrSettings())
     check_topology(sg.storage_config(mla=True, tp_size=2), KvcrSettings(control_port=32100))

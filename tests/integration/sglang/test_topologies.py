@@ -156,16 +156,22 @@ def test_repeated_and_concurrent_hit_queries_lease_each_page_once():
         keys = sg.hashes(4)
         a.batch_set_v1(keys, host_a.alloc(4 * sg.P))
         info = hint(port_a, keys)
+
+        def query():
+            with hints_bridge.active("req-repeat"):  # the plugin names the request on every thread
+                return b.batch_exists(keys, info)
+
         for _ in range(5):
-            assert b.batch_exists(keys, info) == 4
+            assert query() == 4
         assert a.runner.active_leases == 1  # five queries, one lease
-        threads = [threading.Thread(target=b.batch_exists, args=(keys, info)) for _ in range(4)]
+        threads = [threading.Thread(target=query) for _ in range(4)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(10)
         assert a.runner.active_leases == 1
-        assert b.batch_get_v1(keys, host_b.alloc(4 * sg.P), info) == [True] * 4
+        with hints_bridge.active("req-repeat"):
+            assert b.batch_get_v1(keys, host_b.alloc(4 * sg.P), info) == [True] * 4
         assert a.runner.active_leases == 0  # read, then released: nothing orphaned
         assert b.kvcr_stats()["held_remote_pages"] == 0
     finally:
@@ -220,7 +226,7 @@ def test_a_logical_anchor_answers_hits_and_reads_that_agree():
         stored = store.batch_set_v2([PoolTransfer(name="indexer", keys=keys[:3], host_indices=slots)])
         assert stored == {"indexer": [True] * 3}
         assert store.batch_set_v1(keys[:3], anchor_indices(3)) == [True] * 3  # no bytes: nothing to fail
-        assert store.batch_exists(keys) == 0  # a bare logical anchor is no evidence: no traceback either
+        assert store.batch_exists(keys) == 3  # no transfers named: the anchor stands on the indexer, as its reads do
         with_indexer = [PoolTransfer(name="indexer", keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
         assert store.batch_exists_v2(keys, with_indexer).kv_hit_pages == 3
         assert store.batch_get_v1(keys, anchor_indices(4)) == [True, True, True, False]  # agrees with the hit
@@ -266,9 +272,10 @@ def test_a_logical_anchors_pages_end_at_the_first_page_its_evidence_lacks():
         own = PoolTransfer(name="indexer", keys=keys[:1], host_indices=indexer.alloc(sg.P))
         assert reader.batch_set_v2([own])["indexer"] == [True]  # the reader page 0
         query = [PoolTransfer(name="indexer", keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
-        assert reader.batch_exists_v2(keys, query, hint(source.control_port, keys[1:])).kv_hit_pages == 1
-        assert reader.kvcr_stats()["held_remote_pages"] == 1  # page 2, leased past the hole at page 1
-        assert reader.batch_get_v1(keys, anchor_indices(3)) == [True, False, False]
+        with hints_bridge.active("req-hole"):
+            assert reader.batch_exists_v2(keys, query, hint(source.control_port, keys[1:])).kv_hit_pages == 1
+            assert reader.kvcr_stats()["held_remote_pages"] == 1  # page 2, leased past the hole at page 1
+            assert reader.batch_get_v1(keys, anchor_indices(3)) == [True, False, False]
     finally:
         reader.close()
         source.close()
@@ -286,6 +293,7 @@ def test_a_logical_anchor_alone_holds_no_page():
         keys = sg.hashes(2)
         assert store.batch_set_v1(keys, anchor_indices(2)) == [True, True]  # no bytes to keep
         assert store.batch_get_v1(keys, anchor_indices(2)) == [False, False]
+        assert store.batch_exists(keys) == 0  # a bare logical anchor is no evidence: no hit, no traceback
     finally:
         store.close()
 
