@@ -187,6 +187,9 @@ def start(
         inventory=inventory,
         transport=settings.transport,
         control=control,
+        # SGLang's metrics on: kvcr's series go where SGLang's /metrics collects them (its multiprocess
+        # directory); off: in-process counters only, read by kvcr_stats().
+        metrics="engine" if getattr(config, "enable_storage_metrics", False) else "memory",
     )
     try:
         node: RunnerNode | None = container.node() if node_settings is not None else None
