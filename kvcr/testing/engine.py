@@ -65,14 +65,14 @@ def prompt_ids(length: int, seed: int = 0, words: int = 1000) -> list[int]:
     return ids
 
 
-def write_model(directory: Path, *, seed: int = 0, words: int = 1000, layers: int = 2) -> Path:
+def write_model(directory: Path, *, seed: int = 0, words: int = 1000, layers: int = 2, hidden: int = 64) -> Path:
     """A tiny Llama checkpoint SGLang serves (idempotent for the same arguments); returns ``directory``."""
     import torch
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     vocab = {text: i for i, text in enumerate([*SPECIAL, *(word(i) for i in range(words)), *ROLES])}
-    hidden, heads, kv_heads, intermediate = 64, 4, 2, 128
+    heads, kv_heads, intermediate = 4, 2, 2 * hidden
     head_dim = hidden // heads
     config = {
         "model_type": "llama",
