@@ -344,11 +344,16 @@ class EngineServer:
 
     def kvcr_pages(self, path: str, outcome: str = "ok") -> int:
         """``kvcr_pages_total{path, outcome}`` summed over the server's ranks."""
+        return int(self.metric("kvcr_pages_total", path=path, outcome=outcome))
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples on ``/metrics`` that carry ``labels`` (and any others)."""
+        wanted = [f'{key}="{value}"' for key, value in labels.items()]
         total = 0.0
-        for name, value in self.metrics().items():
-            if name.startswith("kvcr_pages_total{") and f'path="{path}"' in name and f'outcome="{outcome}"' in name:
+        for sample, value in self.metrics().items():
+            if sample.startswith(name + "{") and all(label in sample for label in wanted):
                 total += value
-        return int(total)
+        return total
 
     def _request(self, method: str, path: str, body: Any = None, *, timeout_s: float, raw: bool = False) -> Any:
         data = None if body is None else json.dumps(body).encode()

@@ -24,12 +24,16 @@ What each shim stands in for (paths inside the ``sglang`` package):
   decoding). No CPU build of ``sgl_kernel`` is published, so a stand-in package provides the two ops
   a plain forward pass reaches, in torch, and names that raise for everything else.
 
-One test-only control, off unless its variable is set:
+Two test-only controls around SGLang's L3 read, ``HiCacheController._page_get_zero_copy``
+(``srt/managers/cache_controller.py:1113``, which calls the backend's ``batch_get_v1``), off unless
+their variable is set. Neither touches kvcr:
 
-* ``KVCR_ENGINE_CORRUPT_RESTORES=1``: after SGLang's ``HiCacheController._page_get_zero_copy``
-  (``srt/managers/cache_controller.py:1113``) returns, the pages kvcr restored into the host pool
-  are overwritten with noise. It touches SGLang's host pool after kvcr is done, never kvcr, so a
-  test can show that its check of the restored answer is able to fail.
+* ``KVCR_ENGINE_CORRUPT_FLAG=<path>``: while that file exists, the pages kvcr restored into the host
+  pool are overwritten with noise after the read returns, so a test can show that its check of a
+  restored answer can fail (and, once the file is gone, that the same restore is then right).
+* ``KVCR_ENGINE_READ_DELAY_S=<seconds>``: the read starts that much later. The hit query has already
+  leased a hinted source's pages by then, so a test can freeze or kill the source between the lease
+  and the read (while this replica restores).
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ import importlib.machinery
 import inspect
 import os
 import sys
+import time
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-CORRUPT_ENV = "KVCR_ENGINE_CORRUPT_RESTORES"
+CORRUPT_ENV = "KVCR_ENGINE_CORRUPT_FLAG"
+DELAY_ENV = "KVCR_ENGINE_READ_DELAY_S"
 
 
 def _no_accelerator() -> bool:
@@ -81,16 +87,20 @@ def _direct_io(module: types.ModuleType) -> None:
             setattr(module, name, getattr(kvcacheio, name))
 
 
-def _corrupt_restores(module: types.ModuleType) -> None:
-    if os.environ.get(CORRUPT_ENV) != "1":
+def _read_controls(module: types.ModuleType) -> None:
+    flag = os.environ.get(CORRUPT_ENV)
+    delay_s = float(os.environ.get(DELAY_ENV) or 0)
+    if not flag and delay_s <= 0:
         return
     cls = module.HiCacheController
     original = cls._page_get_zero_copy
 
     @functools.wraps(original)
     def _page_get_zero_copy(self: Any, operation: Any, hash_values: Any, host_indices: Any, *args: Any) -> int:
+        if delay_s > 0:
+            time.sleep(delay_s)
         restored = int(original(self, operation, hash_values, host_indices, *args))
-        if restored:
+        if restored and flag and os.path.exists(flag):
             import torch
 
             group = self.mem_pool_host  # a HostPoolGroup under the unified radix cache: its anchor is the KV pool
@@ -108,7 +118,7 @@ def _corrupt_restores(module: types.ModuleType) -> None:
 _PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
     "sglang.srt.mem_cache.pool_host.base": _unpinned_host_pools,
     "sglang.srt.mem_cache.pool_host.mha": _direct_io,
-    "sglang.srt.managers.cache_controller": _corrupt_restores,
+    "sglang.srt.managers.cache_controller": _read_controls,
 }
 
 
