@@ -229,6 +229,26 @@ def _bench_remote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_engine(args: argparse.Namespace) -> int:
+    from kvcr.bench.engine import as_dict, engine_table, run_engine
+
+    try:
+        lengths = [int(part) for part in args.lengths.split(",") if part.strip()]
+    except ValueError:
+        raise KvcrError(f"--lengths: give token counts separated by commas, got {args.lengths!r}") from None
+    if not lengths or min(lengths) < 2 * 16 or max(lengths) > 3072:
+        raise KvcrError(f"--lengths: each between 32 and 3072 tokens (the tiny model's context is 4096), got {lengths}")
+    workdir = Path(args.workdir) if args.workdir else None
+    results = _Progress(1).step(
+        f"engine: two SGLang servers, prompts of {args.lengths} tokens x {args.reps}",
+        partial(run_engine, lengths, args.reps, layers=args.layers, workdir=workdir),
+    )
+    print(engine_table(results))
+    if args.json:
+        print(f"wrote {_save_json(Path(args.json), [as_dict(r) for r in results])}", file=sys.stderr)
+    return 0
+
+
 def _bench_all(args: argparse.Namespace) -> int:
     from kvcr.bench.local import as_dict as local_dict
     from kvcr.bench.plot import plot_local, plot_remote, plot_sglang
@@ -474,6 +494,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _json_option(remote, "bench-results/remote.json")
     remote.set_defaults(func=_bench_remote)
+
+    engine = command(
+        which, "engine", "TTFT on real SGLang servers (CPU): recomputed vs restored from local kvcr DRAM vs from a peer"
+    )
+    engine.add_argument("--lengths", default="1024,2048", help="prompt lengths in tokens, comma-separated")
+    engine.add_argument("--reps", type=_positive("--reps"), default=3, help="fresh prompts per length")
+    engine.add_argument("--layers", type=_positive("--layers"), default=8, help="layers of the tiny model")
+    engine.add_argument("--workdir", default=None, help="keep the model and the servers' logs here")
+    engine.add_argument("--json", default="bench-results/engine.json", help="where to write the results ('' for none)")
+    engine.set_defaults(func=_bench_engine)
 
     every = command(which, "all", "run local, sglang and remote with their defaults; regenerate the README's part")
     every.add_argument("--out-dir", default="bench-results", help="where the JSON, PNGs and README-tables.md go")

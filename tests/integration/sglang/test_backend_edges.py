@@ -402,6 +402,27 @@ def test_backups_and_prefetches_report_a_plausible_bandwidth():
         backend.close()
 
 
+def _backup_pages_on_the_engine_registry():
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("kvcr_pages_total", {"path": "backup", "outcome": "ok"}) or 0.0
+
+
+@pytest.mark.parametrize("storage_metrics", [True, False])
+def test_kvcr_series_reach_the_engines_registry_only_with_sglangs_metrics_on(storage_metrics):
+    """With SGLang's metrics on, kvcr emits where SGLang's /metrics collects (prometheus_client's
+    registry; multiprocess files inside a server); with them off, only kvcr_stats() counts."""
+    host = sg.mha_host("page_first")
+    backend = sg.backend(host, sg.storage_config(storage_metrics=storage_metrics))
+    try:
+        before = _backup_pages_on_the_engine_registry()
+        assert all(backend.batch_set_v1(sg.hashes(3, start=7000), host.alloc(3 * sg.P)))
+        assert _backup_pages_on_the_engine_registry() - before == (3 if storage_metrics else 0)
+        assert backend.kvcr_stats()["counters"]["kvcr_pages_total{outcome=ok,path=backup}"] >= 3
+    finally:
+        backend.close()
+
+
 def test_v2_reads_skip_pools_kvcr_does_not_serve_and_read_the_rest(store):
     keys = sg.hashes(2)
     store.batch_set_v1(keys, store.host.alloc(2 * sg.P))
