@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcr.adapters.local.host import available_memory_bytes
 from kvcr.domain.errors import KvcrError
+from kvcr.integrations.shared.host import available_memory_bytes
 
 SGLANG_VERSION = "0.5.23"
 NIXL_VERSION = "1.5.1"

@@ -10,9 +10,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvcr.adapters.local.host import available_memory_bytes
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.units import parse_byte_size
+from kvcr.integrations.shared.host import available_memory_bytes
 
 PAGE_LAYER_BYTES = 2 * 2 * 128 * 2  # K and V, 2 heads x 128 dims, bf16: bytes per token per layer
 
