@@ -263,6 +263,19 @@ DEFAULTS = {
 }
 
 
+def serve_engine_metrics(port: int) -> Any:
+    """Serve this process's engine metrics (prometheus_client's default registry) on loopback ``port``.
+
+    For a process that hosts SGLang's classes itself, without SGLang's HTTP server (the Dynamo
+    worker's ``--metrics-port``); returns the running exporter (``.url``, ``.close()``).
+    """
+    from prometheus_client import REGISTRY
+
+    from kvcr.adapters.prometheus import start_exporter
+
+    return start_exporter(REGISTRY, port)
+
+
 def build_container(
     runner_config: RunnerConfig,
     *,

@@ -125,11 +125,9 @@ class KvcrWorker(LLMEngine):
         prepare_sglang()
         self._model = await asyncio.to_thread(StandInModel, s)
         if s.metrics_port is not None:
-            from prometheus_client import REGISTRY
+            from kvcr.container import serve_engine_metrics
 
-            from kvcr.adapters.prometheus import start_exporter
-
-            self._metrics_server = start_exporter(REGISTRY, s.metrics_port)
+            self._metrics_server = serve_engine_metrics(s.metrics_port)
             log.info("kvcr worker %s: metrics on %s", s.name, self._metrics_server.url)
         self.worker_id = worker_id
         self._report.write(
