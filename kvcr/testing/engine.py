@@ -31,7 +31,7 @@ from kvcr.testing.ports import free_port_block
 
 REPO = Path(__file__).resolve().parents[2]
 SHIMS = Path(__file__).resolve().parent / "engine_shims"
-STUBS = REPO / "tests" / "stubs"
+STUBS = Path(__file__).resolve().parent / "stubs"  # the import-only torchvision (shipped in the wheel)
 SPECIAL = ("<unk>", "<s>", "</s>")
 ROLES = ("system:", "user:", "assistant:")
 PAGE_SIZE = 16
