@@ -74,9 +74,21 @@ class Binding:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(request))
         return None
 
-    def context(self, options: Mapping[str, str]) -> Any:
+    def context(self, options: Mapping[str, str]) -> tuple[Any, bool]:
+        """A UCX context for ``options``, and whether it has a registration cache.
+
+        UCX keeps a context's registration cache up to date through libucm's memory hooks. Two
+        UCX builds in one process (NIXL bundles its own) each hook libc; when the other one
+        hooked after ours, a context made from then on gets no cache, which UCX only says at
+        ``diag`` level. So the first try requires one (``RCACHE_ENABLE=y`` makes ``ucp_init``
+        fail without it); only if that fails is the context made without.
+        """
         lib = self.lib
-        return lib.UCXContext(config_dict=dict(options), feature_flags=(lib.Feature.TAG, lib.Feature.WAKEUP))
+        flags = (lib.Feature.TAG, lib.Feature.WAKEUP)
+        try:
+            return lib.UCXContext(config_dict={**options, "RCACHE_ENABLE": "y"}, feature_flags=flags), True
+        except Exception:  # no cache can be made here; any other fault shows again just below
+            return lib.UCXContext(config_dict=dict(options), feature_flags=flags), False
 
     def worker(self, context: Any) -> Any:
         worker = self.lib.UCXWorker(context, enable_delayed_submission=False, enable_python_future=False)

@@ -60,6 +60,13 @@ from kvcr.ports.errors import PeerUnavailable, RegistrationError, TransportError
 log = logging.getLogger(__name__)
 
 _ERROR_MODES = {"peer": True, "none": False}
+_NO_CACHE = (
+    "{name}: ucx_error_handling_mode=peer needs a UCX registration cache, and this process cannot make "
+    "one any more (another UCX build, such as NIXL's, hooked memory events after ucxx's did). UCX 1.21 "
+    "dereferences the missing cache when a peer dies mid-rendezvous and the process crashes "
+    "(openucx/ucx#11467, fixed in 1.22). Make this data plane before the other UCX library loads "
+    "(docs/ucx.md)"
+)
 _DRAIN_BUDGET = 64
 
 
@@ -112,6 +119,8 @@ def parse_backend_params(params: Mapping[str, str]) -> tuple[bool, dict[str, str
         elif key == "ucx_devices":
             if value:
                 options["NET_DEVICES"] = value
+        elif key.removeprefix("UCX_") == "RCACHE_ENABLE":
+            raise ConfigError(f"ucx backend parameter {key!r}: the adapter sets it (peer mode needs the cache)")
         elif key.isupper() and key.replace("_", "").isalnum():
             options[key.removeprefix("UCX_")] = value
         else:
@@ -173,7 +182,12 @@ class UcxDataPlane:
         self.drained = 0  # stale messages taken out of the way (observability, tests)
         self._b: Binding = load()
         try:
-            self._context = self._b.context(self._options)
+            self._context, self._registration_cache = self._b.context(self._options)
+        except Exception as exc:
+            raise TransportError(f"cannot create UCX context {name!r} with {self._options}: {exc}") from exc
+        if self._error_handling and not self._registration_cache:
+            raise TransportError(_NO_CACHE.format(name=name))
+        try:
             self._worker = self._b.worker(self._context)
             self._address = bytes(self._worker.address.tobytes())
         except Exception as exc:
@@ -190,6 +204,11 @@ class UcxDataPlane:
     @property
     def error_handling(self) -> bool:
         return self._error_handling
+
+    @property
+    def registration_cache(self) -> bool:
+        """Whether our UCX context has a registration cache (peer mode refuses to run without one)."""
+        return self._registration_cache
 
     @property
     def server(self) -> Server:

@@ -259,6 +259,9 @@ def test_bad_backend_parameters_are_named():
         parse_backend_params({"colour": "blue"})
     assert parse_backend_params({"ucx_devices": "lo", "TLS": "tcp"}) == (False, {"NET_DEVICES": "lo", "TLS": "tcp"})
     assert parse_backend_params({"ucx_error_handling_mode": "peer"}) == (True, {})
+    for key in ("RCACHE_ENABLE", "UCX_RCACHE_ENABLE"):  # peer mode needs the cache: not the caller's to turn off
+        with pytest.raises(ConfigError, match=key):
+            parse_backend_params({key: "n"})
     with pytest.raises(ConfigError, match="progress_mode"):
         UcxDataPlane("x", progress_mode="spin")
 
