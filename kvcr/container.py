@@ -158,7 +158,13 @@ def _ucx_data_plane(config: RunnerConfig) -> DataPlane:
 
     # A source that has not answered a read by the operation deadline never will in time.
     timing = config.timing
-    return UcxDataPlane(config.name, connect_timeout_s=timing.connect_s, reply_timeout_s=timing.operation_s)
+    # peer: a source that dies mid-read fails the read; with none, UCX aborts the target (docs/ucx.md).
+    return UcxDataPlane(
+        config.name,
+        backend_params={"ucx_error_handling_mode": "peer"},
+        connect_timeout_s=timing.connect_s,
+        reply_timeout_s=timing.operation_s,
+    )
 
 
 def _mock_control(fabric: MockFabric, settings: NodeSettings, clock: Clock) -> ControlChannel:

@@ -10,8 +10,9 @@ ucxx's Python API has no RMA (no memory handles, remote keys or GET), so a read 
    DRAM and sends the reply; a refused request gets the reply alone, not one byte of memory.
 3. The read is DONE when every segment and an OK reply arrived.
 
-Where the bytes go (``UCX_PROTO_INFO``, UCX 1.21): with ``ucx_error_handling_mode=none``, the
-default here, two processes on one host use sysv shared memory for messages up to ~5 KB (one
+Where the bytes go (``UCX_PROTO_INFO``, UCX 1.21): with ``ucx_error_handling_mode=none``, this
+adapter's default (kvcr's ``transport: ucx`` asks for ``peer``: with ``none`` UCX aborts a target
+whose source dies mid-rendezvous), two processes on one host use sysv shared memory for messages up to ~5 KB (one
 bounce through UCX's FIFO, inherent to eager sends) and, above, a rendezvous the target pulls by
 CMA: one ``process_vm_readv`` from the source's DRAM into the destination, no intermediate copy.
 With ``peer`` (NIXL's default) UCX keeps only lanes that report a peer's failure, tcp here, and

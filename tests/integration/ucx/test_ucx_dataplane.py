@@ -305,3 +305,16 @@ def test_a_new_region_table_of_the_same_incarnation_keeps_the_connection_and_its
     assert wait(target, handle) is TransferState.DONE
     target.release(handle)
     assert dst.piece(0) == src.piece(0) and dst.piece(4) == more.piece(5)
+
+
+def test_kvcrs_ucx_transport_runs_with_peer_error_handling():
+    """With ``none`` UCX aborts a target whose source dies mid-rendezvous (docs/ucx.md, issue 27):
+    the data plane the composition root builds for ``transport: ucx`` must survive a peer's death."""
+    from kvcr.container import build_container
+    from tests.support import kv_pool, runner_config
+
+    plane = build_container(runner_config((kv_pool(),), 4, name="ucx-default"), transport="ucx").data_plane()
+    try:
+        assert plane.error_handling is True
+    finally:
+        plane.close()
