@@ -235,13 +235,19 @@ def check_token(path_text: str | None) -> Finding:
     if mode & stat.S_IWGRP:
         return Finding("token", Status.FAIL, f"{path} is writable by its group (mode {mode:04o}): {fix}")
     try:
-        size = len(path.read_bytes().strip())
+        token = path.read_bytes().strip()
     except OSError as exc:
         return Finding("token", Status.FAIL, f"auth_token_file {path}: {exc.strerror or exc}")
+    size = len(token)
     if size < TOKEN_MIN_BYTES:
         return Finding(
             "token", Status.FAIL, f"{path} holds {size} bytes; a cluster token needs at least {TOKEN_MIN_BYTES}"
         )
+    from kvcr.integrations.shared.settings import token_weakness  # the rule start-up applies
+
+    weak = token_weakness(token)
+    if weak is not None:
+        return Finding("token", Status.FAIL, f"auth_token_file {path}: {weak}")
     if mode & stat.S_IRGRP:
         return Finding("token", Status.WARN, f"{path} is readable by its group (mode {mode:04o}): {fix} unless meant")
     if info.st_uid != os.geteuid():

@@ -41,6 +41,8 @@ def test_a_private_token_of_16_bytes_or_more_passes(tmp_path):
         (b"0123456789abcdef", 0o606, Status.FAIL, "every user"),
         (b"0123456789abcdef", 0o620, Status.FAIL, "writable by its group"),
         (b"short-token\n", 0o600, Status.FAIL, "at least 16"),
+        (b"a" * 32, 0o600, Status.FAIL, "only 1 distinct byte values"),
+        (b"abcdefg" * 3, 0o600, Status.FAIL, "only 7 distinct byte values"),
         (b"0123456789abcdef", 0o640, Status.WARN, "readable by its group"),
     ],
 )

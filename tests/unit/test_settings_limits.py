@@ -1,6 +1,7 @@
 """The backend's settings at their limits: the exact line an operator reads, and the values just inside."""
 
 import os
+import re
 
 import pytest
 
@@ -175,15 +176,37 @@ def test_token_file_refusals_say_what_to_do(tmp_path):
 
 
 def test_token_files_of_exactly_the_limits_are_read(tmp_path):
-    assert read_token_file(token_file(tmp_path, b"x" * 4096)) == b"x" * 4096
-    assert read_token_file(token_file(tmp_path, b"y" * 16 + b"\n", name="min")) == b"y" * 16
+    largest = (bytes(range(33, 127)) * 44)[:4096]  # printable, no NUL, nothing to strip
+    assert read_token_file(token_file(tmp_path, largest)) == largest
+    assert read_token_file(token_file(tmp_path, b"0123456789abcdef\n", name="min")) == b"0123456789abcdef"
+
+
+@pytest.mark.parametrize("data", [b"a" * 16, b"ab" * 16, b"0000000011111111" * 4, b"abcdefg" * 5])
+def test_a_token_of_fewer_than_8_distinct_bytes_is_refused_naming_the_file(tmp_path, data):
+    path = token_file(tmp_path, data)
+    with pytest.raises(ConfigError) as err:
+        read_token_file(path)
+    distinct = len(set(data))
+    assert str(err.value) == (
+        f"auth_token_file {path!r}: the token has only {distinct} distinct byte values (at least 8); "
+        "use random bytes, e.g. head -c 32 /dev/urandom | base64"
+    )
+    rotation = parse_settings(
+        {"auth_token_file": token_file(tmp_path, b"0123456789abcdef", name="ok"), "rotation_token_files": [path]}
+    )
+    with pytest.raises(ConfigError, match=rf"^rotation_token_files {re.escape(repr(path))}: the token has only"):
+        rotation.rotation_tokens()
+
+
+def test_a_token_of_exactly_8_distinct_bytes_is_read(tmp_path):
+    assert read_token_file(token_file(tmp_path, b"abcdefgh" * 2)) == b"abcdefgh" * 2
 
 
 def test_the_settings_read_the_token_and_every_rotation_token(tmp_path):
-    main = token_file(tmp_path, b"a" * 16, name="main")
-    old = token_file(tmp_path, b"b" * 16, name="old")
+    main = token_file(tmp_path, b"main-0123456789abcdef", name="main")
+    old = token_file(tmp_path, b"old-0123456789abcdef", name="old")
     settings = parse_settings({"auth_token_file": main, "rotation_token_files": [old]})
-    assert settings.token() == b"a" * 16 and settings.rotation_tokens() == (b"b" * 16,)
+    assert settings.token() == b"main-0123456789abcdef" and settings.rotation_tokens() == (b"old-0123456789abcdef",)
     assert parse_settings({}).token() is None and parse_settings({}).rotation_tokens() == ()
 
 

@@ -25,6 +25,9 @@ from kvcr.runner.peer_client import LANDINGS
 TRANSPORTS = ("nixl", "ucx", "mock")
 MIN_TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 4096
+# A token of fewer distinct bytes than this is not random (``aaaa...``, ``0000...``, ``abababab...``):
+# a recorded handshake lets anyone test guesses of it offline, so it is refused, not warned about.
+MIN_TOKEN_DISTINCT_BYTES = 8
 
 # Keys SGLang itself reads from the same dict (routing of the dynamic backend and prefetch tuning).
 SGLANG_KEYS = frozenset(
@@ -141,7 +144,21 @@ def read_token_file(path: str, setting: str = "auth_token_file") -> bytes:
         raise ConfigError(f"{setting} {path!r} contains a NUL byte")
     if len(token) < MIN_TOKEN_BYTES:
         raise ConfigError(f"{setting} {path!r}: the token must be at least {MIN_TOKEN_BYTES} bytes")
+    weak = token_weakness(token)
+    if weak is not None:
+        raise ConfigError(f"{setting} {path!r}: {weak}")
     return token
+
+
+def token_weakness(token: bytes) -> str | None:
+    """Why ``token`` (stripped) is too guessable to key the control channel, or None when it is not."""
+    distinct = len(set(token))
+    if distinct < MIN_TOKEN_DISTINCT_BYTES:
+        return (
+            f"the token has only {distinct} distinct byte values (at least {MIN_TOKEN_DISTINCT_BYTES}); "
+            "use random bytes, e.g. head -c 32 /dev/urandom | base64"
+        )
+    return None
 
 
 _TYPES: dict[str, tuple[type, ...]] = {

@@ -45,8 +45,8 @@ def test_the_runner_and_the_node_run_with_the_configured_settings(stores, tmp_pa
     settings = {
         "control_port": port,
         "control_advertise_host": "127.0.0.9",
-        "auth_token_file": token_file(tmp_path, "token", b"a" * 16),
-        "rotation_token_files": [token_file(tmp_path, "old", b"b" * 16)],
+        "auth_token_file": token_file(tmp_path, "token", b"token-0123456789abcdef"),
+        "rotation_token_files": [token_file(tmp_path, "old", b"old-0123456789abcdef")],
         "allow_unauthenticated": True,
         "policy": "fifo",
         "verify_bytes": True,
@@ -69,8 +69,8 @@ def test_the_runner_and_the_node_run_with_the_configured_settings(stores, tmp_pa
         "127.0.0.1",
         port,
         advertise_host="127.0.0.9",
-        token=b"a" * 16,
-        rotation_tokens=(b"b" * 16,),
+        token=b"token-0123456789abcdef",
+        rotation_tokens=(b"old-0123456789abcdef",),
         allow_unauthenticated=True,
         peer=PeerSettings(
             max_pages_per_read=7, landing="staged", recompute_tokens_per_s=1000.0, tokens_per_page=sg.P, max_links=3
