@@ -108,6 +108,7 @@ class RefusalReason(str, enum.Enum):
     CLOSING = "closing"
     INTERNAL = "internal"
     REPLAYED = "replayed"
+    OUT_OF_RANGE = "out_of_range"
     # Refused by the control channel before any frame reached the server (CURVE, ZMTP):
     CREDENTIALS = "credentials"
     PROTOCOL = "protocol"

@@ -26,6 +26,7 @@ from kvcr.ports.metric_catalogue import RefusalReason
 from kvcr.ports.metrics import Metrics
 from kvcr.runner import protocol
 from kvcr.runner.protocol import (
+    MAX_LEASE_MS,
     MAX_LEASE_PAGES,
     MAX_POOLS,
     MAX_RELEASE_IDS,
@@ -179,11 +180,13 @@ class PeerServer:
             return self._refusal(request.nonce, RefusalCode.REPLAYED)
         if len(request.pages) > MAX_POOLS or sum(len(pages) for _, pages in request.pages) > MAX_LEASE_PAGES:
             return self._refusal(request.nonce, RefusalCode.TOO_LARGE)
+        if not 0 < request.lease_ms <= MAX_LEASE_MS:
+            return self._refusal(request.nonce, RefusalCode.OUT_OF_RANGE)
         wanted: list[tuple[str, list[str]]] = []
         for pool_id, pages in request.pages:
             name = session.pools.get(pool_id)
             wanted.append((name if name is not None else "", pages))  # "" is no pool: all -1
-        grant = self._runner.lease(wanted, max(0, request.lease_ms) / 1000)
+        grant = self._runner.lease(wanted, request.lease_ms / 1000)
         if grant.lease_id:
             with self._lock:
                 session.leases.add(grant.lease_id)
