@@ -109,6 +109,8 @@ class RefusalReason(str, enum.Enum):
     INTERNAL = "internal"
     REPLAYED = "replayed"
     OUT_OF_RANGE = "out_of_range"
+    # A LEASE or RELEASE named a session another connection opened (refused as unknown_session):
+    FOREIGN_SESSION = "foreign_session"
     # Refused by the control channel before any frame reached the server (CURVE, ZMTP):
     CREDENTIALS = "credentials"
     PROTOCOL = "protocol"

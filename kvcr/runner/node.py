@@ -113,7 +113,7 @@ class RunnerNode:
         self.client = PeerClient(
             runner, control, data_plane, memory, clock, metrics, settings.peer, self.host_region_ids, self.staging
         )
-        control.serve(self.server.handle)
+        control.serve_connections(self.server.handle)
 
     @property
     def endpoint(self) -> str:

@@ -3,7 +3,11 @@
 It runs on the control channel's own thread, so an idle engine keeps serving, and never touches
 bytes: a peer reads leased slots through the data plane. HELLO opens a *session*: the pools whose
 namespaces match, numbered for the link, and the data-plane description (exposed regions only).
-LEASE names that session, so a peer of another namespace can never lease under ours. Every
+LEASE names that session, so a peer of another namespace can never lease under ours. A session
+belongs to the connection whose HELLO opened it: a LEASE or RELEASE naming it from any other
+connection (another token holder that learnt the session and lease ids) is refused as an unknown
+session and counted as ``foreign_session``, so nobody can end, renew or spend another peer's lease.
+Every
 failure becomes a REFUSED reply with a code from a closed set (never an exception on the server
 thread, never the peer's own text echoed back); refusals are counted by code.
 """
@@ -56,6 +60,7 @@ _LOG_EVERY_S = 10.0
 @dataclass
 class _Session:
     sender: str
+    connection: bytes  # the connection whose HELLO opened it: the only one that may use it
     pools: dict[int, str]  # pool id on this link -> pool name
     leases: set[int] = field(default_factory=set)
     nonces: set[bytes] = field(default_factory=set)
@@ -106,20 +111,23 @@ class PeerServer:
         with self._lock:
             self._closing = True
 
-    def handle(self, frame: bytes) -> bytes | None:
-        """Answer one request frame with one reply frame (None for one-way messages); never raises."""
+    def handle(self, frame: bytes, connection: bytes = b"") -> bytes | None:
+        """Answer one request frame with one reply frame (None for one-way messages); never raises.
+
+        ``connection`` names the control connection the frame came over (see ``serve_connections``).
+        """
         try:
             request = protocol.decode(frame)
         except FrameError as exc:
             return self._refuse(b"", exc.code)
         try:
             if isinstance(request, Release):
-                self._release(request)
+                self._release(request, connection)
                 return None
             if isinstance(request, Hello):
-                return protocol.encode(self._hello(request))
+                return protocol.encode(self._hello(request, connection))
             if isinstance(request, Lease):
-                return protocol.encode(self._lease(request))
+                return protocol.encode(self._lease(request, connection))
             return self._refuse(b"", RefusalCode.MALFORMED)
         except Exception:  # a bug must not kill the server thread; the peer sees a refusal
             log.exception("kvcr peer server: %s failed", type(request).__name__)
@@ -127,7 +135,7 @@ class PeerServer:
 
     # ------------------------------------------------------------------ messages
 
-    def _hello(self, request: Hello) -> HelloReply | Refused:
+    def _hello(self, request: Hello, connection: bytes) -> HelloReply | Refused:
         if self._closing:
             return self._refusal(request.nonce, RefusalCode.CLOSING)
         if len(request.namespaces) > MAX_POOLS:
@@ -147,7 +155,8 @@ class PeerServer:
                 self._hello_nonces[request.nonce] = None
                 while len(self._hello_nonces) > MAX_NONCES:
                     self._hello_nonces.popitem(last=False)
-                self._sessions[session_id] = _Session(request.sender[:128], {p.pool_id: p.name for p in pools})
+                pool_ids = {p.pool_id: p.name for p in pools}
+                self._sessions[session_id] = _Session(request.sender[:128], connection, pool_ids)
             while len(self._sessions) > MAX_SESSIONS:
                 self._drop_oldest_session()
         if replayed:
@@ -156,14 +165,16 @@ class PeerServer:
         lease_ms = round(self._runner.config.timing.lease_s * 1000)
         return HelloReply(request.nonce, session_id, self.incarnation, self._data_plane.describe(), pools, lease_ms)
 
-    def _lease(self, request: Lease) -> LeaseReply | Refused:
+    def _lease(self, request: Lease, connection: bytes) -> LeaseReply | Refused:
         if self._closing:
             return self._refusal(request.nonce, RefusalCode.CLOSING)
         if len(request.nonce) != NONCE_BYTES:
             return self._refusal(request.nonce, RefusalCode.MALFORMED)
-        replayed = False
+        replayed = foreign = False
         with self._lock:
             session = self._sessions.get(request.session)
+            if session is not None and session.connection != connection:
+                session, foreign = None, True  # its nonces and recency are the owner's: left alone
             if session is not None:
                 self._sessions.move_to_end(request.session)
                 replayed = request.nonce in session.nonces
@@ -175,7 +186,9 @@ class PeerServer:
                     while self._tracked > self._max_tracked and len(self._sessions) > 1:
                         self._drop_oldest_session()
         if session is None:
-            return self._refusal(request.nonce, RefusalCode.UNKNOWN_SESSION)
+            # The same answer as for a session that does not exist: the peer learns nothing from it.
+            reason = RefusalReason.FOREIGN_SESSION if foreign else None
+            return self._refusal(request.nonce, RefusalCode.UNKNOWN_SESSION, reason)
         if replayed:
             return self._refusal(request.nonce, RefusalCode.REPLAYED)
         if len(request.pages) > MAX_POOLS or sum(len(pages) for _, pages in request.pages) > MAX_LEASE_PAGES:
@@ -199,13 +212,20 @@ class PeerServer:
             [list(d) for d in grant.digests],
         )
 
-    def _release(self, request: Release) -> None:
+    def _release(self, request: Release, connection: bytes) -> None:
         with self._lock:
             session = self._sessions.get(request.session)
             if session is None:
                 return
-            ids = [i for i in request.lease_ids[:MAX_RELEASE_IDS] if i in session.leases]
-            session.leases.difference_update(ids)
+            if session.connection != connection:
+                foreign = True
+            else:
+                foreign = False
+                ids = [i for i in request.lease_ids[:MAX_RELEASE_IDS] if i in session.leases]
+                session.leases.difference_update(ids)
+        if foreign:
+            self._count_refusal(RefusalReason.FOREIGN_SESSION)  # one-way: nothing goes back
+            return
         for lease_id in ids:
             self._runner.release_lease(lease_id)
 
@@ -240,14 +260,17 @@ class PeerServer:
         with self._lock:
             return self._tracked
 
-    def _refusal(self, nonce: bytes, code: RefusalCode) -> Refused:
-        self._metrics.increment(M.PEER_REQUESTS_REFUSED, labels={"reason": RefusalReason(code.name.lower())})
+    def _refusal(self, nonce: bytes, code: RefusalCode, reason: RefusalReason | None = None) -> Refused:
+        self._count_refusal(reason or RefusalReason(code.name.lower()))
+        # Only a well-formed nonce is echoed: a peer's 1 MiB "nonce" must not come back to it.
+        return Refused(nonce if len(nonce) == NONCE_BYTES else b"", int(code))
+
+    def _count_refusal(self, reason: RefusalReason) -> None:
+        self._metrics.increment(M.PEER_REQUESTS_REFUSED, labels={"reason": reason})
         now = time.monotonic()
         if now - self._last_log >= _LOG_EVERY_S:  # refusals are peer-driven: never one line each
             self._last_log = now
-            log.info("kvcr peer server refused a request: %s", code.name.lower())
-        # Only a well-formed nonce is echoed: a peer's 1 MiB "nonce" must not come back to it.
-        return Refused(nonce if len(nonce) == NONCE_BYTES else b"", int(code))
+            log.info("kvcr peer server refused a request: %s", reason.value)
 
     def _refuse(self, nonce: bytes, code: RefusalCode) -> bytes:
         return protocol.encode(self._refusal(nonce, code))

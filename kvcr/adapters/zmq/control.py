@@ -42,7 +42,7 @@ from kvcr.adapters.zmq.server import ONEWAY_ID, REFUSAL_REASONS, ControlServer
 from kvcr.adapters.zmq.sockets import WILDCARD_HOSTS, zmq_address
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.hints import Endpoint
-from kvcr.ports.control import Handler
+from kvcr.ports.control import ConnectionHandler, Handler
 from kvcr.ports.errors import ControlTimeout, PeerRefused, PeerUnavailable, TransportError
 
 if TYPE_CHECKING:
@@ -187,6 +187,9 @@ class ZmqControlChannel:
     # ------------------------------------------------------------------ server
 
     def serve(self, handler: Handler) -> None:
+        self.serve_connections(lambda payload, _connection: handler(payload))
+
+    def serve_connections(self, handler: ConnectionHandler) -> None:
         with self._lock:
             if self._closed:
                 raise TransportError(f"control channel {self._endpoint} is closed")
@@ -245,7 +248,7 @@ class ZmqControlChannel:
         conn: Conn | None = None
         reusable = False
         try:
-            conn = self._links.checkout(str(peer), ipv6=":" in peer.host)
+            conn = self._links.checkout(str(peer), ipv6=":" in peer.host, deadline=deadline)
             while True:
                 try:
                     reply = self._exchange(conn, endpoint, payload, timeout_s, deadline)
