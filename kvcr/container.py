@@ -181,6 +181,7 @@ def _zmq_control(settings: NodeSettings, metrics: Metrics) -> ControlChannel:
         token=settings.token,
         rotation_tokens=settings.rotation_tokens,
         allow_unauthenticated=settings.allow_unauthenticated,
+        handshake_timeout_s=settings.handshake_timeout_s,
         on_refusal=refused,
     )
 

@@ -10,9 +10,9 @@ from kvcr.integrations.shared.settings import KvcrSettings, parse_settings, read
 
 KNOWN = (
     "abandon_timeout_ms, allow_unauthenticated, auth_token_file, connect_timeout_ms, control_advertise_host, "
-    "control_host, control_port, control_timeout_ms, dram_bytes, enable_remote_hint, kv_events_endpoint, "
-    "kv_events_topic, landing, lease_ms, max_peer_links, operation_timeout_ms, peer_allowlist, peer_retry_ms, "
-    "policy, read_batch_pages, recompute_tokens_per_s, rotation_token_files, transport, verify_bytes"
+    "control_handshake_ms, control_host, control_port, control_timeout_ms, dram_bytes, enable_remote_hint, "
+    "kv_events_endpoint, kv_events_topic, landing, lease_ms, max_peer_links, operation_timeout_ms, peer_allowlist, "
+    "peer_retry_ms, policy, read_batch_pages, recompute_tokens_per_s, rotation_token_files, transport, verify_bytes"
 )
 
 
@@ -42,6 +42,9 @@ def refusal(extra):
         ({"peer_retry_ms": 3600001}, "peer_retry_ms must be in 1..3600000, got 3600001"),
         ({"read_batch_pages": 0}, "read_batch_pages must be in 1..65536, got 0"),
         ({"max_peer_links": 65537}, "max_peer_links must be in 1..65536, got 65537"),
+        ({"control_handshake_ms": 99}, "control_handshake_ms must be in 100..60000, got 99"),
+        ({"control_handshake_ms": 60001}, "control_handshake_ms must be in 100..60000, got 60001"),
+        ({"control_handshake_ms": -1}, "control_handshake_ms must be in 100..60000, got -1"),
         ({"recompute_tokens_per_s": -0.5}, "recompute_tokens_per_s must be a finite number >= 0, got -0.5"),
         ({"landing": "sideways"}, "landing must be one of auto, direct, staged, got 'sideways'"),
         ({"policy": "random"}, "policy must be one of fifo, lru, got 'random'"),
@@ -85,6 +88,8 @@ def test_settings_at_their_limits_are_accepted():
     assert (edge.control_port, edge.read_batch_pages, edge.max_peer_links, edge.dram_bytes) == (65535, 65536, 1, 1)
     assert parse_settings({"control_port": 0}).control_port == 0
     assert parse_settings({"peer_retry_ms": 1}).peer_retry_ms == 1
+    assert parse_settings({}).control_handshake_ms == 2000
+    assert [parse_settings({"control_handshake_ms": ms}).control_handshake_ms for ms in (100, 60000)] == [100, 60000]
     assert parse_settings({"recompute_tokens_per_s": 2.5}).recompute_tokens_per_s == 2.5
     assert parse_settings({"peer_allowlist": ["a", "b"]}).peer_allowlist == ("a", "b")
 

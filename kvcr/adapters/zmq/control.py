@@ -79,6 +79,9 @@ class ZmqControlChannel:
         max_message_bytes: the largest request or reply accepted from a peer.
         max_peers: how many peers may keep sockets open at once (least recently used closed first).
         idle_close_s: a peer unused this long has its sockets closed.
+        handshake_timeout_s: a connection to our server that has not completed its ZMTP (and CURVE)
+            handshake this long after it was accepted is closed (``ZMQ_HANDSHAKE_IVL``; libzmq's
+            own default is 30 s): a flood of half-open greetings holds descriptors only this long.
         on_refusal: called (on the server thread) with a reason from ``REFUSAL_REASONS`` each
             time the server refuses a connection or drops a frame; must not block.
 
@@ -103,6 +106,7 @@ class ZmqControlChannel:
         max_message_bytes: int = 64 << 20,
         max_peers: int = 256,
         idle_close_s: float = 30.0,
+        handshake_timeout_s: float = 2.0,
         on_refusal: Callable[[str], None] | None = None,
     ) -> None:
         if not isinstance(port, int) or not 0 < port < 65536:
@@ -119,6 +123,14 @@ class ZmqControlChannel:
             raise ConfigError(f"control max_peers must be a positive integer, got {max_peers!r}")
         if not isinstance(idle_close_s, (int, float)) or not math.isfinite(idle_close_s) or idle_close_s <= 0:
             raise ConfigError(f"control idle_close_s must be a positive number of seconds, got {idle_close_s!r}")
+        if (
+            not isinstance(handshake_timeout_s, (int, float))
+            or not math.isfinite(handshake_timeout_s)
+            or not 0.001 <= handshake_timeout_s <= 3600
+        ):
+            raise ConfigError(
+                f"control handshake_timeout_s must be in 0.001..3600 seconds, got {handshake_timeout_s!r}"
+            )
         if token is None and rotation_tokens:
             raise ConfigError("control rotation_tokens need a current token")
         if token is None and not allow_unauthenticated and not _is_loopback(bind_host):
@@ -145,6 +157,7 @@ class ZmqControlChannel:
         self._keyring = keyring
         self._unauthenticated_remote = token is None and not _is_loopback(bind_host)
         self._max_message_bytes = max_message_bytes
+        self._handshake_ms = max(1, round(handshake_timeout_s * 1000))
         self._on_refusal = on_refusal
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
@@ -201,6 +214,7 @@ class ZmqControlChannel:
                 name=str(self._port),
                 keyring=self._keyring,
                 max_message_bytes=self._max_message_bytes,
+                handshake_ms=self._handshake_ms,
                 on_refusal=self._count_refusal,
                 on_tick=self._links.sweep,
                 on_stopped=self._server_stopped,

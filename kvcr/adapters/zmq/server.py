@@ -110,6 +110,7 @@ class ControlServer:
         name: str,
         keyring: Keyring | None,
         max_message_bytes: int,
+        handshake_ms: int,
         on_refusal: Callable[[str], None],
         on_tick: Callable[[], None],
         on_stopped: Callable[[], None],
@@ -119,6 +120,7 @@ class ControlServer:
         self._name = name
         self._keyring = keyring
         self._max_message_bytes = max_message_bytes
+        self._handshake_ms = handshake_ms
         self._on_refusal = on_refusal
         self._on_tick = on_tick
         self._on_stopped = on_stopped
@@ -161,6 +163,9 @@ class ControlServer:
             sock.setsockopt(lib.RCVHWM, _ROUTER_RCVHWM)
             sock.setsockopt(lib.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
             sock.setsockopt(lib.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+            # A connection that never completes its greeting holds a descriptor until this expires;
+            # libzmq has no cap on accepted-but-unauthenticated connections, so this is the bound.
+            sock.setsockopt(lib.HANDSHAKE_IVL, self._handshake_ms)
             if ipv6:
                 sock.setsockopt(lib.IPV6, 1)
             if self._keyring is not None:

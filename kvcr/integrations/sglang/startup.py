@@ -169,6 +169,7 @@ def start(
             token=token,
             rotation_tokens=rotation,
             allow_unauthenticated=settings.allow_unauthenticated,
+            handshake_timeout_s=settings.control_handshake_ms / 1000,
             peer=PeerSettings(
                 max_pages_per_read=settings.read_batch_pages,
                 landing=settings.landing,

@@ -28,6 +28,10 @@ MAX_TOKEN_BYTES = 4096
 # A token of fewer distinct bytes than this is not random (``aaaa...``, ``0000...``, ``abababab...``):
 # a recorded handshake lets anyone test guesses of it offline, so it is refused, not warned about.
 MIN_TOKEN_DISTINCT_BYTES = 8
+# How long a connection to the control port may take to complete its handshake: a half-open one
+# (a greeting that never finishes) holds a descriptor until then. Below 100 ms a slow link fails.
+MIN_HANDSHAKE_MS = 100
+MAX_HANDSHAKE_MS = 60_000
 
 # Keys SGLang itself reads from the same dict (routing of the dynamic backend and prefetch tuning).
 SGLANG_KEYS = frozenset(
@@ -69,6 +73,7 @@ class KvcrSettings:
     peer_allowlist: tuple[str, ...] = ()
     recompute_tokens_per_s: float = 0.0
     max_peer_links: int = 64
+    control_handshake_ms: int = 2000
     policy: str = "lru"
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kv-events"
@@ -182,6 +187,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "peer_allowlist": (list,),
     "recompute_tokens_per_s": (int, float),
     "max_peer_links": (int,),
+    "control_handshake_ms": (int,),
     "policy": (str,),
     "kv_events_endpoint": (str, type(None)),
     "kv_events_topic": (str,),
@@ -245,6 +251,10 @@ def _check(s: KvcrSettings) -> None:
             raise ConfigError(f"{key} must be in 1..{int(MAX_TIMEOUT_S * 1000)}, got {value}")
     if not 0 < s.peer_retry_ms <= MAX_TIMEOUT_S * 1000:
         raise ConfigError(f"peer_retry_ms must be in 1..{int(MAX_TIMEOUT_S * 1000)}, got {s.peer_retry_ms}")
+    if not MIN_HANDSHAKE_MS <= s.control_handshake_ms <= MAX_HANDSHAKE_MS:
+        raise ConfigError(
+            f"control_handshake_ms must be in {MIN_HANDSHAKE_MS}..{MAX_HANDSHAKE_MS}, got {s.control_handshake_ms}"
+        )
     for key in ("read_batch_pages", "max_peer_links"):
         if not 0 < getattr(s, key) <= 1 << 16:
             raise ConfigError(f"{key} must be in 1..65536, got {getattr(s, key)}")

@@ -56,6 +56,7 @@ def test_the_runner_and_the_node_run_with_the_configured_settings(stores, tmp_pa
         "landing": "staged",
         "recompute_tokens_per_s": 1000.0,
         "max_peer_links": 3,
+        "control_handshake_ms": 1500,
     }
     store, host = stores(**settings)
     parsed = parse_settings(sg.extra_config(**settings))
@@ -72,6 +73,7 @@ def test_the_runner_and_the_node_run_with_the_configured_settings(stores, tmp_pa
         token=b"token-0123456789abcdef",
         rotation_tokens=(b"old-0123456789abcdef",),
         allow_unauthenticated=True,
+        handshake_timeout_s=1.5,
         peer=PeerSettings(
             max_pages_per_read=7, landing="staged", recompute_tokens_per_s=1000.0, tokens_per_page=sg.P, max_links=3
         ),
