@@ -14,6 +14,7 @@ thread, never the peer's own text echoed back); refusals are counted by code.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import threading
@@ -61,6 +62,7 @@ _LOG_EVERY_S = 10.0
 class _Session:
     sender: str
     connection: bytes  # the connection whose HELLO opened it: the only one that may use it
+    holder: int  # the connection as the runner's lease holder: its quota is shared by its sessions
     pools: dict[int, str]  # pool id on this link -> pool name
     leases: set[int] = field(default_factory=set)
     nonces: set[bytes] = field(default_factory=set)
@@ -156,7 +158,8 @@ class PeerServer:
                 while len(self._hello_nonces) > MAX_NONCES:
                     self._hello_nonces.popitem(last=False)
                 pool_ids = {p.pool_id: p.name for p in pools}
-                self._sessions[session_id] = _Session(request.sender[:128], connection, pool_ids)
+                holder = _holder(connection)
+                self._sessions[session_id] = _Session(request.sender[:128], connection, holder, pool_ids)
             while len(self._sessions) > MAX_SESSIONS:
                 self._drop_oldest_session()
         if replayed:
@@ -199,7 +202,9 @@ class PeerServer:
         for pool_id, pages in request.pages:
             name = session.pools.get(pool_id)
             wanted.append((name if name is not None else "", pages))  # "" is no pool: all -1
-        grant = self._runner.lease(wanted, request.lease_ms / 1000)
+        grant = self._runner.lease(wanted, request.lease_ms / 1000, holder=session.holder)
+        if grant.over_quota:  # granted in part (or not at all): this peer already pins its share
+            self._count_refusal(RefusalReason.PEER_QUOTA)
         if grant.lease_id:
             with self._lock:
                 session.leases.add(grant.lease_id)
@@ -274,3 +279,8 @@ class PeerServer:
 
     def _refuse(self, nonce: bytes, code: RefusalCode) -> bytes:
         return protocol.encode(self._refusal(nonce, code))
+
+
+def _holder(connection: bytes) -> int:
+    """A connection as a non-zero lease holder id (every session it opens shares one quota)."""
+    return int.from_bytes(hashlib.blake2b(connection, digest_size=8).digest(), "big") >> 1 | 1

@@ -128,3 +128,34 @@ def test_another_connection_cannot_release_or_spend_a_peers_lease(cluster, insid
     assert refused(a, "foreign_session") == 2
     b.client.release(lease)
     assert until(lambda: a.runner.active_leases == 0)  # the owner's own connection still releases it
+
+
+def test_a_peer_that_keeps_re_leasing_pages_cannot_starve_another_peers_restore(cluster, insider):
+    """The attack of issue 23 (D): an insider leases (and keeps re-leasing) as many pages as the pool's
+    lease cap allows, from two sessions; a second target restoring the owner's 16 newest pages, which
+    nobody leases, got 0/16 until the pins expired. Each connection now pins at most its share."""
+    a = cluster.node("A", token=TOKEN, slots=64, timing=TIMING, verify_bytes=False, peer_share=0.5)
+    b = cluster.node("B", token=TOKEN, slots=16, timing=TIMING, verify_bytes=False)
+    pages = sequence(48)
+    host = a.hosts["kv"]
+    for slot, page in enumerate(pages):
+        host.write_page(slot, content(page, PAGE_BYTES))
+    assert all(a.runner.backup("kv", pages, list(range(48))))
+
+    hostile = insider(a.endpoint)
+    sessions = [hostile.do(do="hello", namespaces=dict(a.runner.namespaces)) for _ in range(2)]
+    pinned = set()
+    for _ in range(3):  # re-leasing: fresh leases over the same pages, before the old ones expire
+        for n, opened in enumerate(sessions):
+            wanted = pages[16 * n : 16 * n + 16]
+            granted = hostile.do(do="lease", session=opened["session"], pages=[[opened["pools"]["kv"], wanted]])
+            pinned |= {page for page, slot in zip(wanted, granted["slots"][0], strict=True) if slot >= 0}
+    held = a.runner.active_leases
+
+    newest = pages[32:]
+    result = b.client.restore(a.endpoint, [PoolRead("kv", newest, list(range(16)))])
+    restored = sum(o.outcome is Outcome.RESTORED for o in result["kv"])
+    equal = sum(b.hosts["kv"].read_page(i) == content(page, PAGE_BYTES) for i, page in enumerate(newest))
+    figures = {"insider_pinned": len(pinned), "restored": restored, "byte_equal": equal}
+    assert figures == {"insider_pinned": 16, "restored": 16, "byte_equal": 16}
+    assert held >= 3 and refused(a, "peer_quota") >= 3  # its LEASEs past its share were cut, and counted
