@@ -371,3 +371,26 @@ def test_a_failure_while_releasing_is_an_internal_refusal_without_a_nonce(source
     monkeypatch.setattr(source.runner, "release_lease", broken)
     with caplog.at_level(logging.ERROR, logger="kvcr.runner.peer_server"):
         assert ask(source, Release(session, [granted.lease_id])) == Refused(b"", int(RefusalCode.INTERNAL))
+
+
+def test_a_session_answers_only_the_connection_that_opened_it(source):
+    store(source, sequence(2))
+
+    def on(connection, message):
+        reply = source.handle(protocol.encode(message), connection)
+        return None if reply is None else protocol.decode(reply)
+
+    session = on(b"victim", Hello(nonce(), "target", "inc", dict(source.runner.namespaces))).session
+    granted = on(b"victim", Lease(nonce(), session, 1000, [(1, sequence(2))]))
+    assert granted.lease_id and source.runner.active_leases == 1
+    sent = nonce()
+    assert on(b"insider", Lease(sent, session, 1000, [(1, sequence(2))])) == Refused(
+        sent, int(RefusalCode.UNKNOWN_SESSION)
+    )
+    assert on(b"insider", Release(session, [granted.lease_id])) is None
+    assert source.runner.active_leases == 1  # the lease holds
+    assert refused(source, "foreign_session") == 2 and refused(source, "unknown_session") == 0
+    # The insider's LEASE did not spend the victim's nonce: the victim may still use it.
+    assert isinstance(on(b"victim", Lease(sent, session, 1000, [(1, sequence(2))])), LeaseReply)
+    assert on(b"victim", Release(session, [granted.lease_id])) is None
+    assert source.runner.active_leases == 1  # the second lease is still held
