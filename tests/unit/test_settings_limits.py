@@ -12,7 +12,8 @@ KNOWN = (
     "abandon_timeout_ms, allow_unauthenticated, auth_token_file, connect_timeout_ms, control_advertise_host, "
     "control_handshake_ms, control_host, control_port, control_timeout_ms, dram_bytes, enable_remote_hint, "
     "kv_events_endpoint, kv_events_topic, landing, lease_ms, max_peer_links, operation_timeout_ms, peer_allowlist, "
-    "peer_retry_ms, policy, read_batch_pages, recompute_tokens_per_s, rotation_token_files, transport, verify_bytes"
+    "peer_lease_share, peer_retry_ms, policy, read_batch_pages, recompute_tokens_per_s, rotation_token_files, "
+    "transport, verify_bytes"
 )
 
 
@@ -45,6 +46,9 @@ def refusal(extra):
         ({"control_handshake_ms": 99}, "control_handshake_ms must be in 100..60000, got 99"),
         ({"control_handshake_ms": 60001}, "control_handshake_ms must be in 100..60000, got 60001"),
         ({"control_handshake_ms": -1}, "control_handshake_ms must be in 100..60000, got -1"),
+        ({"peer_lease_share": 0}, "peer_lease_share must be a number in (0, 1], got 0"),
+        ({"peer_lease_share": 1.5}, "peer_lease_share must be a number in (0, 1], got 1.5"),
+        ({"peer_lease_share": float("nan")}, "peer_lease_share must be a number in (0, 1], got nan"),
         ({"recompute_tokens_per_s": -0.5}, "recompute_tokens_per_s must be a finite number >= 0, got -0.5"),
         ({"landing": "sideways"}, "landing must be one of auto, direct, staged, got 'sideways'"),
         ({"policy": "random"}, "policy must be one of fifo, lru, got 'random'"),
@@ -89,6 +93,7 @@ def test_settings_at_their_limits_are_accepted():
     assert parse_settings({"control_port": 0}).control_port == 0
     assert parse_settings({"peer_retry_ms": 1}).peer_retry_ms == 1
     assert parse_settings({}).control_handshake_ms == 2000
+    assert parse_settings({}).peer_lease_share == 0.5 and parse_settings({"peer_lease_share": 1}).peer_lease_share == 1
     assert [parse_settings({"control_handshake_ms": ms}).control_handshake_ms for ms in (100, 60000)] == [100, 60000]
     assert parse_settings({"recompute_tokens_per_s": 2.5}).recompute_tokens_per_s == 2.5
     assert parse_settings({"peer_allowlist": ["a", "b"]}).peer_allowlist == ("a", "b")

@@ -159,6 +159,7 @@ def start(
         policy=settings.policy,
         timing=settings.timing(),
         verify_bytes=settings.verify_bytes,
+        max_peer_leased_fraction=settings.peer_lease_share,
     )
     node_settings = None
     if settings.control_port:

@@ -74,6 +74,7 @@ class KvcrSettings:
     recompute_tokens_per_s: float = 0.0
     max_peer_links: int = 64
     control_handshake_ms: int = 2000
+    peer_lease_share: float = 0.5
     policy: str = "lru"
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kv-events"
@@ -188,6 +189,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "recompute_tokens_per_s": (int, float),
     "max_peer_links": (int,),
     "control_handshake_ms": (int,),
+    "peer_lease_share": (int, float),
     "policy": (str,),
     "kv_events_endpoint": (str, type(None)),
     "kv_events_topic": (str,),
@@ -259,6 +261,8 @@ def _check(s: KvcrSettings) -> None:
         if not 0 < getattr(s, key) <= 1 << 16:
             raise ConfigError(f"{key} must be in 1..65536, got {getattr(s, key)}")
     # JSON as SGLang reads it accepts NaN and Infinity: NaN would switch the check off, Infinity every remote read.
+    if not 0 < s.peer_lease_share <= 1:  # NaN fails this too
+        raise ConfigError(f"peer_lease_share must be a number in (0, 1], got {s.peer_lease_share}")
     if not 0 <= s.recompute_tokens_per_s < math.inf:
         raise ConfigError(f"recompute_tokens_per_s must be a finite number >= 0, got {s.recompute_tokens_per_s}")
     if s.landing not in LANDINGS:

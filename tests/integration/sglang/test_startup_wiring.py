@@ -57,12 +57,14 @@ def test_the_runner_and_the_node_run_with_the_configured_settings(stores, tmp_pa
         "recompute_tokens_per_s": 1000.0,
         "max_peer_links": 3,
         "control_handshake_ms": 1500,
+        "peer_lease_share": 0.25,
     }
     store, host = stores(**settings)
     parsed = parse_settings(sg.extra_config(**settings))
     config = store.runner.config
     assert config.namespace == NamespaceSpec("test-model", sg.P, str(host.dtype), "page_first")
     assert (config.policy, config.timing, config.verify_bytes) == ("fifo", parsed.timing(), True)
+    assert config.max_peer_leased_fraction == 0.25
     # NIXL agent names are unique across the cluster: host, process, rank and 8 random hex digits
     name = rf"kvcr-{re.escape(socket.gethostname())}-{os.getpid()}-dp0-r0-[0-9a-f]{{8}}"
     assert re.fullmatch(name, config.name)
