@@ -559,9 +559,7 @@ class KvcrRunner:
             entry.state = check_transition(entry.state, _DISCARDING)
             state.detached += 1
 
-    def lease(
-        self, requests: Sequence[tuple[str, Sequence[str]]], duration_s: float, *, holder: int = 0
-    ) -> LeaseGrant:
+    def lease(self, requests: Sequence[tuple[str, Sequence[str]]], duration_s: float, *, holder: int = 0) -> LeaseGrant:
         """Hold READY pages for a peer until the lease expires on our clock or is released.
 
         ``requests`` are (pool, page hashes); pages that are malformed, of an unknown or logical
