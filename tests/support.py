@@ -111,6 +111,7 @@ class Cluster:
         peer=None,
         verify_bytes=True,
         host_pages=64,
+        peer_share=1.0,
     ):
         from kvcr.adapters.mock import MockDataPlane
         from kvcr.container import build_container
@@ -126,6 +127,8 @@ class Cluster:
             dram_bytes=slots * sum(p.page_bytes for p in pools),
             timing=timing or Timing(),
             verify_bytes=verify_bytes,
+            # These pools are tiny: one peer may lease up to the pool's cap unless a test asks for the quota.
+            max_peer_leased_fraction=peer_share,
         )
         settings = NodeSettings(
             "127.0.0.1", port or free_port(), token=token, peer=peer or PeerSettings(), close_lease_wait_s=0.2

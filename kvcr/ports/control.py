@@ -1,7 +1,8 @@
 """ControlChannel: request/reply and one-way messages between peer runners.
 
-Call order: ``serve(handler)`` once to answer requests on our endpoint (the handler runs on the
-channel's own thread, so an idle engine still answers); ``request`` and ``send`` any number of
+Call order: ``serve(handler)`` (or ``serve_connections``) once to answer requests on our endpoint
+(the handler runs on the channel's own thread, so an idle engine still answers); ``request`` and
+``send`` any number of
 times to peers' endpoints; ``forget`` a peer whose link is closed; ``close`` once. Payloads are
 opaque bytes: the peer protocol encodes and checks them.
 
@@ -9,6 +10,11 @@ Security belongs to the channel: an adapter configured with cluster credentials 
 and encrypts every connection, and a peer without them never reaches the handler (it sees
 PeerUnavailable). The handler therefore only ever sees frames from authenticated peers, or from
 anyone when the channel runs without credentials (loopback only, or an operator's explicit opt-in).
+
+Connections: every request and one-way message a channel sends to one peer travels over one
+connection for as long as that connection lives (a second thread waits for it rather than opening
+another), so a server can bind state to the connection a request came over
+(``serve_connections``): nobody else can send over it, even with the same credentials.
 """
 
 from __future__ import annotations
@@ -19,6 +25,11 @@ from typing import Protocol
 Handler = Callable[[bytes], bytes | None]
 """Answers one request frame; returns the reply, or None for a one-way message (nothing is sent)."""
 
+ConnectionHandler = Callable[[bytes, bytes], bytes | None]
+"""Like :data:`Handler`, also given the connection the frame came over: opaque bytes, equal for every
+frame of one connection and never equal for two connections of the channel's life (with credentials,
+bound to the handshake that authenticated it, so no other peer can present it)."""
+
 
 class ControlChannel(Protocol):
     @property
@@ -27,6 +38,13 @@ class ControlChannel(Protocol):
 
     def serve(self, handler: Handler) -> None:
         """Start answering requests with ``handler``.
+
+        Raises:
+            TransportError: the endpoint could not be bound.
+        """
+
+    def serve_connections(self, handler: ConnectionHandler) -> None:
+        """Like ``serve``, with the connection each frame came over passed to ``handler``.
 
         Raises:
             TransportError: the endpoint could not be bound.

@@ -113,6 +113,11 @@ class RefusalReason(str, enum.Enum):
     CLOSING = "closing"
     INTERNAL = "internal"
     REPLAYED = "replayed"
+    OUT_OF_RANGE = "out_of_range"
+    # A LEASE or RELEASE named a session another connection opened (refused as unknown_session):
+    FOREIGN_SESSION = "foreign_session"
+    # A LEASE granted in part or not at all because its peer (connection) pins its share already:
+    PEER_QUOTA = "peer_quota"
     # Refused by the control channel before any frame reached the server (CURVE, ZMTP):
     CREDENTIALS = "credentials"
     PROTOCOL = "protocol"

@@ -23,7 +23,9 @@ class RunnerConfig:
     ``verify_bytes``: every page gets a digest bound to its key when it is backed up, and every
     restore (local or from a peer) checks the bytes it delivered against it; a mismatch is a
     miss. ``max_leased_fraction`` bounds how much of a pool peers' leases may pin at once, so
-    the owner's own backups always find slots.
+    the owner's own backups always find slots; ``max_peer_leased_fraction`` bounds the share of
+    that cap one peer (one control connection) may pin, and ``max_peer_leases`` its live leases,
+    so one peer cannot starve another's restore (:mod:`kvcr.runner.quota`).
     """
 
     name: str
@@ -35,6 +37,8 @@ class RunnerConfig:
     timing: Timing = field(default_factory=Timing)
     verify_bytes: bool = False
     max_leased_fraction: float = 0.5
+    max_peer_leased_fraction: float = 0.5
+    max_peer_leases: int = 1024
     max_alignment_depth: int = 4096
 
     def __post_init__(self) -> None:
@@ -51,6 +55,10 @@ class RunnerConfig:
             raise ConfigError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if not 0 < self.max_leased_fraction <= 1:
             raise ConfigError(f"max_leased_fraction must be in (0, 1], got {self.max_leased_fraction}")
+        if not 0 < self.max_peer_leased_fraction <= 1:
+            raise ConfigError(f"max_peer_leased_fraction must be in (0, 1], got {self.max_peer_leased_fraction}")
+        if not 0 < self.max_peer_leases <= 1 << 20:
+            raise ConfigError(f"max_peer_leases must be in 1..{1 << 20}, got {self.max_peer_leases}")
 
     def namespaces(self) -> dict[str, str]:
         """The namespace digest of every physical pool (what HELLO compares)."""

@@ -61,6 +61,7 @@ class NodeSettings:
     allow_unauthenticated: bool = False
     peer: PeerSettings = field(default_factory=PeerSettings)
     close_lease_wait_s: float = 2.0
+    handshake_timeout_s: float = 2.0  # a connection to our control port that has not completed its handshake is closed
 
     def __post_init__(self) -> None:
         if not 0 < self.control_port < 65536:
@@ -114,7 +115,7 @@ class RunnerNode:
             runner, control, data_plane, memory, clock, metrics, settings.peer, self.host_region_ids, self.staging
         )
         try:
-            control.serve(self.server.handle)
+            control.serve_connections(self.server.handle)
         except BaseException:
             self.close()  # a port in use: free the arenas, registrations and sockets made so far
             raise

@@ -3,13 +3,18 @@
 It runs on the control channel's own thread, so an idle engine keeps serving, and never touches
 bytes: a peer reads leased slots through the data plane. HELLO opens a *session*: the pools whose
 namespaces match, numbered for the link, and the data-plane description (exposed regions only).
-LEASE names that session, so a peer of another namespace can never lease under ours. Every
+LEASE names that session, so a peer of another namespace can never lease under ours. A session
+belongs to the connection whose HELLO opened it: a LEASE or RELEASE naming it from any other
+connection (another token holder that learnt the session and lease ids) is refused as an unknown
+session and counted as ``foreign_session``, so nobody can end, renew or spend another peer's lease.
+Every
 failure becomes a REFUSED reply with a code from a closed set (never an exception on the server
 thread, never the peer's own text echoed back); refusals are counted by code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import threading
@@ -26,6 +31,7 @@ from kvcr.ports.metric_catalogue import RefusalReason
 from kvcr.ports.metrics import Metrics
 from kvcr.runner import protocol
 from kvcr.runner.protocol import (
+    MAX_LEASE_MS,
     MAX_LEASE_PAGES,
     MAX_POOLS,
     MAX_RELEASE_IDS,
@@ -55,6 +61,8 @@ _LOG_EVERY_S = 10.0
 @dataclass
 class _Session:
     sender: str
+    connection: bytes  # the connection whose HELLO opened it: the only one that may use it
+    holder: int  # the connection as the runner's lease holder: its quota is shared by its sessions
     pools: dict[int, str]  # pool id on this link -> pool name
     leases: set[int] = field(default_factory=set)
     nonces: set[bytes] = field(default_factory=set)
@@ -105,20 +113,23 @@ class PeerServer:
         with self._lock:
             self._closing = True
 
-    def handle(self, frame: bytes) -> bytes | None:
-        """Answer one request frame with one reply frame (None for one-way messages); never raises."""
+    def handle(self, frame: bytes, connection: bytes = b"") -> bytes | None:
+        """Answer one request frame with one reply frame (None for one-way messages); never raises.
+
+        ``connection`` names the control connection the frame came over (see ``serve_connections``).
+        """
         try:
             request = protocol.decode(frame)
         except FrameError as exc:
             return self._refuse(b"", exc.code)
         try:
             if isinstance(request, Release):
-                self._release(request)
+                self._release(request, connection)
                 return None
             if isinstance(request, Hello):
-                return protocol.encode(self._hello(request))
+                return protocol.encode(self._hello(request, connection))
             if isinstance(request, Lease):
-                return protocol.encode(self._lease(request))
+                return protocol.encode(self._lease(request, connection))
             return self._refuse(b"", RefusalCode.MALFORMED)
         except Exception:  # a bug must not kill the server thread; the peer sees a refusal
             log.exception("kvcr peer server: %s failed", type(request).__name__)
@@ -126,7 +137,7 @@ class PeerServer:
 
     # ------------------------------------------------------------------ messages
 
-    def _hello(self, request: Hello) -> HelloReply | Refused:
+    def _hello(self, request: Hello, connection: bytes) -> HelloReply | Refused:
         if self._closing:
             return self._refusal(request.nonce, RefusalCode.CLOSING)
         if len(request.namespaces) > MAX_POOLS:
@@ -146,7 +157,9 @@ class PeerServer:
                 self._hello_nonces[request.nonce] = None
                 while len(self._hello_nonces) > MAX_NONCES:
                     self._hello_nonces.popitem(last=False)
-                self._sessions[session_id] = _Session(request.sender[:128], {p.pool_id: p.name for p in pools})
+                pool_ids = {p.pool_id: p.name for p in pools}
+                holder = _holder(connection)
+                self._sessions[session_id] = _Session(request.sender[:128], connection, holder, pool_ids)
             while len(self._sessions) > MAX_SESSIONS:
                 self._drop_oldest_session()
         if replayed:
@@ -155,14 +168,16 @@ class PeerServer:
         lease_ms = round(self._runner.config.timing.lease_s * 1000)
         return HelloReply(request.nonce, session_id, self.incarnation, self._data_plane.describe(), pools, lease_ms)
 
-    def _lease(self, request: Lease) -> LeaseReply | Refused:
+    def _lease(self, request: Lease, connection: bytes) -> LeaseReply | Refused:
         if self._closing:
             return self._refusal(request.nonce, RefusalCode.CLOSING)
         if len(request.nonce) != NONCE_BYTES:
             return self._refusal(request.nonce, RefusalCode.MALFORMED)
-        replayed = False
+        replayed = foreign = False
         with self._lock:
             session = self._sessions.get(request.session)
+            if session is not None and session.connection != connection:
+                session, foreign = None, True  # its nonces and recency are the owner's: left alone
             if session is not None:
                 self._sessions.move_to_end(request.session)
                 replayed = request.nonce in session.nonces
@@ -174,16 +189,22 @@ class PeerServer:
                     while self._tracked > self._max_tracked and len(self._sessions) > 1:
                         self._drop_oldest_session()
         if session is None:
-            return self._refusal(request.nonce, RefusalCode.UNKNOWN_SESSION)
+            # The same answer as for a session that does not exist: the peer learns nothing from it.
+            reason = RefusalReason.FOREIGN_SESSION if foreign else None
+            return self._refusal(request.nonce, RefusalCode.UNKNOWN_SESSION, reason)
         if replayed:
             return self._refusal(request.nonce, RefusalCode.REPLAYED)
         if len(request.pages) > MAX_POOLS or sum(len(pages) for _, pages in request.pages) > MAX_LEASE_PAGES:
             return self._refusal(request.nonce, RefusalCode.TOO_LARGE)
+        if not 0 < request.lease_ms <= MAX_LEASE_MS:
+            return self._refusal(request.nonce, RefusalCode.OUT_OF_RANGE)
         wanted: list[tuple[str, list[str]]] = []
         for pool_id, pages in request.pages:
             name = session.pools.get(pool_id)
             wanted.append((name if name is not None else "", pages))  # "" is no pool: all -1
-        grant = self._runner.lease(wanted, max(0, request.lease_ms) / 1000)
+        grant = self._runner.lease(wanted, request.lease_ms / 1000, holder=session.holder)
+        if grant.over_quota:  # granted in part (or not at all): this peer already pins its share
+            self._count_refusal(RefusalReason.PEER_QUOTA)
         if grant.lease_id:
             with self._lock:
                 session.leases.add(grant.lease_id)
@@ -196,13 +217,20 @@ class PeerServer:
             [list(d) for d in grant.digests],
         )
 
-    def _release(self, request: Release) -> None:
+    def _release(self, request: Release, connection: bytes) -> None:
         with self._lock:
             session = self._sessions.get(request.session)
             if session is None:
                 return
-            ids = [i for i in request.lease_ids[:MAX_RELEASE_IDS] if i in session.leases]
-            session.leases.difference_update(ids)
+            if session.connection != connection:
+                foreign = True
+            else:
+                foreign = False
+                ids = [i for i in request.lease_ids[:MAX_RELEASE_IDS] if i in session.leases]
+                session.leases.difference_update(ids)
+        if foreign:
+            self._count_refusal(RefusalReason.FOREIGN_SESSION)  # one-way: nothing goes back
+            return
         for lease_id in ids:
             self._runner.release_lease(lease_id)
 
@@ -237,14 +265,22 @@ class PeerServer:
         with self._lock:
             return self._tracked
 
-    def _refusal(self, nonce: bytes, code: RefusalCode) -> Refused:
-        self._metrics.increment(M.PEER_REQUESTS_REFUSED, labels={"reason": RefusalReason(code.name.lower())})
-        now = time.monotonic()
-        if now - self._last_log >= _LOG_EVERY_S:  # refusals are peer-driven: never one line each
-            self._last_log = now
-            log.info("kvcr peer server refused a request: %s", code.name.lower())
+    def _refusal(self, nonce: bytes, code: RefusalCode, reason: RefusalReason | None = None) -> Refused:
+        self._count_refusal(reason or RefusalReason(code.name.lower()))
         # Only a well-formed nonce is echoed: a peer's 1 MiB "nonce" must not come back to it.
         return Refused(nonce if len(nonce) == NONCE_BYTES else b"", int(code))
 
+    def _count_refusal(self, reason: RefusalReason) -> None:
+        self._metrics.increment(M.PEER_REQUESTS_REFUSED, labels={"reason": reason})
+        now = time.monotonic()
+        if now - self._last_log >= _LOG_EVERY_S:  # refusals are peer-driven: never one line each
+            self._last_log = now
+            log.info("kvcr peer server refused a request: %s", reason.value)
+
     def _refuse(self, nonce: bytes, code: RefusalCode) -> bytes:
         return protocol.encode(self._refusal(nonce, code))
+
+
+def _holder(connection: bytes) -> int:
+    """A connection as a non-zero lease holder id (every session it opens shares one quota)."""
+    return int.from_bytes(hashlib.blake2b(connection, digest_size=8).digest(), "big") >> 1 | 1

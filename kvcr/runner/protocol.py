@@ -18,7 +18,7 @@ opened, so namespaces are compared once per link, not per page.
       (data-plane READ of the granted slots; the source takes no part on one-sided transports)
       RELEASE(session, [lease id ...])        ->     (one-way: nothing comes back)
     any request                               ->     REFUSED(nonce, code) on version, session,
-                                                       namespace, size or shutdown
+                                                       namespace, size, range or shutdown
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ MAX_LEASE_PAGES = 4096  # per LEASE: 32 read batches of 128 pages; more is refus
 MAX_RELEASE_IDS = 1024
 MAX_POOLS = 64
 NONCE_BYTES = 16
+# A LEASE's length must lie in 1..MAX_LEASE_MS (what any node's lease_ms setting can be); within it
+# the source grants at most its own lease length. Outside it is nonsense (-1, 2**64 - 1) and refused.
+MAX_LEASE_MS = 3_600_000
 
 
 class RefusalCode(enum.IntEnum):
@@ -46,6 +49,7 @@ class RefusalCode(enum.IntEnum):
     CLOSING = 6
     INTERNAL = 7
     REPLAYED = 8
+    OUT_OF_RANGE = 9  # a value no well-behaved peer sends (a lease length outside 1..MAX_LEASE_MS)
 
 
 class PoolWire(msgspec.Struct, array_like=True, frozen=True):

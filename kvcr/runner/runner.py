@@ -40,6 +40,7 @@ from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metrics import Metrics
 from kvcr.runner.arena import Arena, host_label
 from kvcr.runner.config import RunnerConfig
+from kvcr.runner.quota import PeerQuota
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,18 @@ class _Entry:
 class _Pool:
     """A pool's arena, host regions, index, eviction order and namespace."""
 
-    __slots__ = ("arena", "detached", "entries", "host", "lease_cap", "leased", "namespace", "policy", "spec")
+    __slots__ = (
+        "arena",
+        "detached",
+        "entries",
+        "host",
+        "lease_cap",
+        "leased",
+        "namespace",
+        "peer_cap",
+        "policy",
+        "spec",
+    )
 
     def __init__(self, spec: PoolSpec, arena: Arena | None, policy: EvictionPolicy, namespace: str) -> None:
         self.spec = spec
@@ -80,6 +92,7 @@ class _Pool:
         self.detached = 0  # DISCARDING pages already dropped from the index, still owning a slot
         self.leased = 0  # pages held by at least one peer lease
         self.lease_cap = 0
+        self.peer_cap = 0  # pages one holder (peer) may pin
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,19 +123,22 @@ class RunnerStats:
 class LeaseGrant:
     """What a source granted: a lease id, per requested pool and page its slot (or -1) and digest, the TTL.
 
-    ``lease_id`` is 0 when nothing was granted (no lease is held then).
+    ``lease_id`` is 0 when nothing was granted (no lease is held then). ``over_quota``: pages
+    refused only because the holder was at its own cap (pages or leases).
     """
 
     lease_id: int
     slots: tuple[tuple[int, ...], ...]
     digests: tuple[tuple[bytes, ...], ...]
     ttl_s: float
+    over_quota: int = 0
 
 
 @dataclass
 class _HeldLease:
     lease: Lease
     claims: list[tuple[_Pool, _Entry]]
+    holder: int = 0
 
 
 _MISSING_SLOT = -1
@@ -163,6 +179,7 @@ class KvcrRunner:
         self._closed = False
         self._leasing = True
         self._leases: dict[int, _HeldLease] = {}
+        self._quota = PeerQuota(config.max_peer_leases)
         policy_type = POLICIES[config.policy]
         slots = config.slots_per_pool()
         self._pools: dict[str, _Pool] = {}
@@ -172,6 +189,7 @@ class KvcrRunner:
                 state = _Pool(spec, arena, policy_type(), self.namespaces.get(spec.name, ""))
                 if arena is not None:
                     state.lease_cap = max(1, int(arena.slots * config.max_leased_fraction))
+                    state.peer_cap = max(1, int(state.lease_cap * config.max_peer_leased_fraction))
                 self._pools[spec.name] = state
         except BaseException:
             self._release_arenas()
@@ -541,11 +559,12 @@ class KvcrRunner:
             entry.state = check_transition(entry.state, _DISCARDING)
             state.detached += 1
 
-    def lease(self, requests: Sequence[tuple[str, Sequence[str]]], duration_s: float) -> LeaseGrant:
+    def lease(self, requests: Sequence[tuple[str, Sequence[str]]], duration_s: float, *, holder: int = 0) -> LeaseGrant:
         """Hold READY pages for a peer until the lease expires on our clock or is released.
 
         ``requests`` are (pool, page hashes); pages that are malformed, of an unknown or logical
-        pool, not READY, or past the pool's lease cap (``max_leased_fraction`` of its slots) are
+        pool, not READY, past the pool's lease cap (``max_leased_fraction`` of its slots) or past
+        ``holder``'s own cap (``max_peer_leased_fraction`` of that, ``max_peer_leases``) are
         granted as -1: from a peer they are misses, not errors. ``duration_s`` is capped at the
         configured lease length. Lease ids are random 63-bit numbers, never reused.
         """
@@ -554,13 +573,17 @@ class KvcrRunner:
         digests: list[tuple[bytes, ...]] = []
         claims: list[tuple[_Pool, _Entry]] = []
         served = 0  # bytes granted: page_bytes is a sum over components, taken once per pool
+        over_quota = 0
+        quota = self._quota
         with self._lock:
             self._check_open()
             now = self._clock.now()
             self._expire_leases(now)
+            may_lease = quota.may_lease(holder)
             for pool, pages in requests:
                 state = self._pools.get(pool)
-                if state is None or state.arena is None or not self._leasing:
+                if state is None or state.arena is None or not self._leasing or not may_lease:
+                    over_quota += 0 if may_lease else len(pages)
                     slots.append((_MISSING_SLOT,) * len(pages))
                     digests.append((b"",) * len(pages))
                     continue
@@ -575,6 +598,12 @@ class KvcrRunner:
                         pool_slots.append(_MISSING_SLOT)
                         pool_digests.append(b"")
                         continue
+                    if not quota.may_pin(holder, pool, entry, state.peer_cap):
+                        over_quota += 1
+                        pool_slots.append(_MISSING_SLOT)
+                        pool_digests.append(b"")
+                        continue
+                    quota.pin(holder, pool, entry)
                     if not entry.leased:
                         state.leased += 1
                     entry.claims += 1
@@ -588,11 +617,12 @@ class KvcrRunner:
             lease_id = 0
             if claims:
                 lease_id = self._new_lease_id()
-                self._leases[lease_id] = _HeldLease(Lease(lease_id, (), now, now + duration), claims)
+                self._leases[lease_id] = _HeldLease(Lease(lease_id, (), now, now + duration), claims, holder)
+                quota.add_lease(holder)
         self._metrics.increment(M.PAGES, len(claims), {"path": Path.SERVED, "outcome": Result.OK})
         self._metrics.increment(M.BYTES, served, {"path": Path.SERVED, "outcome": Result.OK})
         self._leases_gauge()
-        return LeaseGrant(lease_id, tuple(slots), tuple(digests), duration)
+        return LeaseGrant(lease_id, tuple(slots), tuple(digests), duration, over_quota)
 
     def leased_slots(self, lease_id: int) -> dict[str, set[int]] | None:
         """The slots a live lease holds, per pool; None when the lease is unknown or expired."""
@@ -761,6 +791,7 @@ class KvcrRunner:
         return len(expired)
 
     def _drop_claims(self, held: _HeldLease) -> None:
+        self._quota.end(held.holder, ((state.spec.name, entry) for state, entry in held.claims))
         for state, entry in held.claims:
             entry.claims -= 1
             entry.leased -= 1

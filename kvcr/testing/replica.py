@@ -104,6 +104,7 @@ def build_node(
         dram_bytes=slots * pool.page_bytes,
         timing=timing or Timing(),
         verify_bytes=verify_bytes,
+        max_peer_leased_fraction=1.0,  # benchmarks restore everything from one peer: no per-peer share
     )
     node_settings = NodeSettings(host, port, token=token, peer=peer or PeerSettings())
     return build_container(config, node=node_settings, transport=transport, control="zmq").node()

@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     host = host_pool(args.layers, args.pages)
     host.kv_buffer.view(torch.int16).copy_(expected_pages(args.layers, args.pages, args.seed))
     # Twice the pages it holds: a peer may lease at most half of a pool (the owner keeps room to back up).
-    store = backend(host, storage_config(args.port, dram_bytes=2 * args.pages * args.layers * LAYER_BYTES))
+    # Twice its pages, and no per-peer share below the lease cap: one peer may lease all it holds.
+    dram_bytes = 2 * args.pages * args.layers * LAYER_BYTES
+    store = backend(host, storage_config(args.port, dram_bytes=dram_bytes, peer_lease_share=1.0))
     keys = page_keys(args.pages)
     stored = store.batch_set_v1(keys, torch.arange(args.pages * PAGE_TOKENS, dtype=torch.int64))
     info = {"port": args.port, "endpoint": store.node.endpoint, "stored": sum(stored), "keys": keys}

@@ -21,6 +21,9 @@ class Cluster:
         self.reports: dict[str, dict | None] = {}
 
     def start(self, name: str, *, port: int | None = None, **options) -> Replica:
+        # These faults restore a whole prompt from one source sized for it (a peer may lease half a
+        # pool): no per-peer share below the pool's lease cap.
+        options["settings"] = {"peer_lease_share": 1.0, **options.get("settings", {})}
         replica = Replica(ReplicaOptions(name, port=port or free_port(), **options))
         self.replicas.append(replica)
         return replica

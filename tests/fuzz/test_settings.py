@@ -24,6 +24,7 @@ from kvcr.integrations.shared.settings import (
     _TYPES,
     MAX_TOKEN_BYTES,
     MIN_TOKEN_BYTES,
+    MIN_TOKEN_DISTINCT_BYTES,
     SGLANG_KEYS,
     KvcrSettings,
     parse_settings,
@@ -333,6 +334,7 @@ def test_token_files_of_every_kind_give_a_token_or_one_line_naming_the_setting(t
                 and len(token) >= MIN_TOKEN_BYTES
                 and len(data) <= MAX_TOKEN_BYTES
                 and b"\x00" not in token
+                and len(set(token)) >= MIN_TOKEN_DISTINCT_BYTES
             )
             assert accept == valid, (kind, mode, len(data), outcome)
             if accept:

@@ -161,9 +161,9 @@ def test_a_reply_to_another_request_is_never_used(cluster):
     recorded = {}
     original = a.server.handle
 
-    def relay(frame):
+    def relay(frame, connection):
         message = protocol.decode(frame)
-        reply = original(frame)
+        reply = original(frame, connection)
         if isinstance(message, Lease) and "reply" not in recorded:
             recorded["reply"] = reply
         return recorded.get("reply", reply) if isinstance(message, Lease) else reply

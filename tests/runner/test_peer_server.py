@@ -180,11 +180,23 @@ def test_a_lease_grants_for_the_time_asked_at_most_the_configured_length(source)
     short = ask(source, Lease(nonce(), session, 2500, [(1, sequence(2))]))
     assert short.ttl_ms == 2500 and short.lease_id and short.slots == [[0, 1]]
     assert short.digests[0] == list(source.runner.lease([("kv", sequence(2))], 1).digests[0])
-    long = ask(source, Lease(nonce(), session, 10**9, [(1, sequence(2))]))
+    long = ask(source, Lease(nonce(), session, 60_000, [(1, sequence(2))]))  # a peer configured for longer
     assert long.ttl_ms == 10_000
-    none = ask(source, Lease(nonce(), session, -5, [(1, sequence(2))]))
-    assert none.ttl_ms == 0  # a negative length is no time at all
+    hour = ask(source, Lease(nonce(), session, protocol.MAX_LEASE_MS, [(1, sequence(2))]))
+    assert hour.ttl_ms == 10_000
     assert source.plane.expected == [10.0, 10.0, 10.0, 10.0]  # HELLO and every granted lease
+
+
+@pytest.mark.parametrize("lease_ms", [-1, 0, protocol.MAX_LEASE_MS + 1, 10**9, 2**63 - 1, 2**64 - 1])
+def test_a_lease_length_no_node_could_ask_for_is_refused_not_clamped(source, lease_ms):
+    store(source, sequence(2))
+    session = hello(source).session
+    sent = nonce()
+    assert ask(source, Lease(sent, session, lease_ms, [(1, sequence(2))])) == Refused(
+        sent, int(RefusalCode.OUT_OF_RANGE)
+    )
+    assert refused(source, "out_of_range") == 1
+    assert source.runner.active_leases == 0  # nothing pinned
 
 
 def test_a_lease_nonce_is_accepted_once_per_session(source):
@@ -359,3 +371,26 @@ def test_a_failure_while_releasing_is_an_internal_refusal_without_a_nonce(source
     monkeypatch.setattr(source.runner, "release_lease", broken)
     with caplog.at_level(logging.ERROR, logger="kvcr.runner.peer_server"):
         assert ask(source, Release(session, [granted.lease_id])) == Refused(b"", int(RefusalCode.INTERNAL))
+
+
+def test_a_session_answers_only_the_connection_that_opened_it(source):
+    store(source, sequence(2))
+
+    def on(connection, message):
+        reply = source.handle(protocol.encode(message), connection)
+        return None if reply is None else protocol.decode(reply)
+
+    session = on(b"victim", Hello(nonce(), "target", "inc", dict(source.runner.namespaces))).session
+    granted = on(b"victim", Lease(nonce(), session, 1000, [(1, sequence(2))]))
+    assert granted.lease_id and source.runner.active_leases == 1
+    sent = nonce()
+    assert on(b"insider", Lease(sent, session, 1000, [(1, sequence(2))])) == Refused(
+        sent, int(RefusalCode.UNKNOWN_SESSION)
+    )
+    assert on(b"insider", Release(session, [granted.lease_id])) is None
+    assert source.runner.active_leases == 1  # the lease holds
+    assert refused(source, "foreign_session") == 2 and refused(source, "unknown_session") == 0
+    # The insider's LEASE did not spend the victim's nonce: the victim may still use it.
+    assert isinstance(on(b"victim", Lease(sent, session, 1000, [(1, sequence(2))])), LeaseReply)
+    assert on(b"victim", Release(session, [granted.lease_id])) is None
+    assert source.runner.active_leases == 1  # the second lease is still held

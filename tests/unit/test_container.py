@@ -57,7 +57,8 @@ def test_two_nodes_on_one_mock_fabric_restore_through_the_container():
 
     pool = kv_pool()
     choices = dict(memory="mock", transport="mock", control="mock")
-    a = build_container(runner_config((pool,), 8, name="A"), node=NodeSettings("127.0.0.1", 7000), **choices)
+    # 16 slots: a peer may pin a quarter of a pool (half of its lease cap), here 4 pages
+    a = build_container(runner_config((pool,), 16, name="A"), node=NodeSettings("127.0.0.1", 7000), **choices)
     b = build_container(runner_config((pool,), 8, name="B"), node=NodeSettings("127.0.0.1", 7100), **choices)
     b.fabric.override(a.fabric())
     node_a, node_b = a.node(), b.node()

@@ -45,6 +45,8 @@ def test_a_private_token_of_16_bytes_or_more_passes(tmp_path):
         (b"0123456789abcdef", 0o620, "group or others"),
         (b"short-token\n", 0o600, "at least 16"),
         (b"0123456789abcdef", 0o640, "group or others"),  # was a WARN ("kvcr will work") while the backend refused it
+        (b"a" * 32, 0o600, "only 1 distinct byte values"),
+        (b"abcdefg" * 3, 0o600, "only 7 distinct byte values"),
     ],
 )
 def test_a_token_the_backend_refuses_fails_the_doctor_as_the_backend_fails_its_start(tmp_path, data, mode, says):

@@ -1,6 +1,7 @@
 """The backend's settings at their limits: the exact line an operator reads, and the values just inside."""
 
 import os
+import re
 
 import pytest
 
@@ -9,9 +10,10 @@ from kvcr.integrations.shared.settings import KvcrSettings, parse_settings, read
 
 KNOWN = (
     "abandon_timeout_ms, allow_unauthenticated, auth_token_file, connect_timeout_ms, control_advertise_host, "
-    "control_host, control_port, control_timeout_ms, dram_bytes, enable_remote_hint, kv_events_endpoint, "
-    "kv_events_topic, landing, lease_ms, max_peer_links, operation_timeout_ms, peer_allowlist, peer_retry_ms, "
-    "policy, read_batch_pages, recompute_tokens_per_s, rotation_token_files, transport, verify_bytes"
+    "control_handshake_ms, control_host, control_port, control_timeout_ms, dram_bytes, enable_remote_hint, "
+    "kv_events_endpoint, kv_events_topic, landing, lease_ms, max_peer_links, operation_timeout_ms, peer_allowlist, "
+    "peer_lease_share, peer_retry_ms, policy, read_batch_pages, recompute_tokens_per_s, rotation_token_files, "
+    "transport, verify_bytes"
 )
 
 
@@ -41,6 +43,12 @@ def refusal(extra):
         ({"peer_retry_ms": 3600001}, "peer_retry_ms must be in 1..3600000, got 3600001"),
         ({"read_batch_pages": 0}, "read_batch_pages must be in 1..65536, got 0"),
         ({"max_peer_links": 65537}, "max_peer_links must be in 1..65536, got 65537"),
+        ({"control_handshake_ms": 99}, "control_handshake_ms must be in 100..60000, got 99"),
+        ({"control_handshake_ms": 60001}, "control_handshake_ms must be in 100..60000, got 60001"),
+        ({"control_handshake_ms": -1}, "control_handshake_ms must be in 100..60000, got -1"),
+        ({"peer_lease_share": 0}, "peer_lease_share must be a number in (0, 1], got 0"),
+        ({"peer_lease_share": 1.5}, "peer_lease_share must be a number in (0, 1], got 1.5"),
+        ({"peer_lease_share": float("nan")}, "peer_lease_share must be a number in (0, 1], got nan"),
         ({"recompute_tokens_per_s": -0.5}, "recompute_tokens_per_s must be a finite number >= 0, got -0.5"),
         ({"landing": "sideways"}, "landing must be one of auto, direct, staged, got 'sideways'"),
         ({"policy": "random"}, "policy must be one of fifo, lru, got 'random'"),
@@ -84,6 +92,9 @@ def test_settings_at_their_limits_are_accepted():
     assert (edge.control_port, edge.read_batch_pages, edge.max_peer_links, edge.dram_bytes) == (65535, 65536, 1, 1)
     assert parse_settings({"control_port": 0}).control_port == 0
     assert parse_settings({"peer_retry_ms": 1}).peer_retry_ms == 1
+    assert parse_settings({}).control_handshake_ms == 2000
+    assert parse_settings({}).peer_lease_share == 0.5 and parse_settings({"peer_lease_share": 1}).peer_lease_share == 1
+    assert [parse_settings({"control_handshake_ms": ms}).control_handshake_ms for ms in (100, 60000)] == [100, 60000]
     assert parse_settings({"recompute_tokens_per_s": 2.5}).recompute_tokens_per_s == 2.5
     assert parse_settings({"peer_allowlist": ["a", "b"]}).peer_allowlist == ("a", "b")
 
@@ -175,15 +186,37 @@ def test_token_file_refusals_say_what_to_do(tmp_path):
 
 
 def test_token_files_of_exactly_the_limits_are_read(tmp_path):
-    assert read_token_file(token_file(tmp_path, b"x" * 4096)) == b"x" * 4096
-    assert read_token_file(token_file(tmp_path, b"y" * 16 + b"\n", name="min")) == b"y" * 16
+    largest = (bytes(range(33, 127)) * 44)[:4096]  # printable, no NUL, nothing to strip
+    assert read_token_file(token_file(tmp_path, largest)) == largest
+    assert read_token_file(token_file(tmp_path, b"0123456789abcdef\n", name="min")) == b"0123456789abcdef"
+
+
+@pytest.mark.parametrize("data", [b"a" * 16, b"ab" * 16, b"0000000011111111" * 4, b"abcdefg" * 5])
+def test_a_token_of_fewer_than_8_distinct_bytes_is_refused_naming_the_file(tmp_path, data):
+    path = token_file(tmp_path, data)
+    with pytest.raises(ConfigError) as err:
+        read_token_file(path)
+    distinct = len(set(data))
+    assert str(err.value) == (
+        f"auth_token_file {path!r}: the token has only {distinct} distinct byte values (at least 8); "
+        "use random bytes, e.g. head -c 32 /dev/urandom | base64"
+    )
+    rotation = parse_settings(
+        {"auth_token_file": token_file(tmp_path, b"0123456789abcdef", name="ok"), "rotation_token_files": [path]}
+    )
+    with pytest.raises(ConfigError, match=rf"^rotation_token_files {re.escape(repr(path))}: the token has only"):
+        rotation.rotation_tokens()
+
+
+def test_a_token_of_exactly_8_distinct_bytes_is_read(tmp_path):
+    assert read_token_file(token_file(tmp_path, b"abcdefgh" * 2)) == b"abcdefgh" * 2
 
 
 def test_the_settings_read_the_token_and_every_rotation_token(tmp_path):
-    main = token_file(tmp_path, b"a" * 16, name="main")
-    old = token_file(tmp_path, b"b" * 16, name="old")
+    main = token_file(tmp_path, b"main-0123456789abcdef", name="main")
+    old = token_file(tmp_path, b"old-0123456789abcdef", name="old")
     settings = parse_settings({"auth_token_file": main, "rotation_token_files": [old]})
-    assert settings.token() == b"a" * 16 and settings.rotation_tokens() == (b"b" * 16,)
+    assert settings.token() == b"main-0123456789abcdef" and settings.rotation_tokens() == (b"old-0123456789abcdef",)
     assert parse_settings({}).token() is None and parse_settings({}).rotation_tokens() == ()
 
 

@@ -1,7 +1,8 @@
 """A ControlChannel over the in-process fabric.
 
 Requests are delivered to the handler the peer registered with ``serve``; the handler runs in
-the caller's thread (the fake has no sockets to wait on). Faults model this endpoint as a
+the caller's thread (the fake has no sockets to wait on). Each client channel is one connection to
+each peer (its endpoint names it), as a ZMQ channel keeps one connection per peer. Faults model this endpoint as a
 server (see :class:`ControlFaults`) and are constructor arguments.
 """
 
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvcr.adapters.mock.fabric import ControlFaults, MockFabric
 from kvcr.ports.clock import Clock
-from kvcr.ports.control import Handler
+from kvcr.ports.control import ConnectionHandler, Handler
 from kvcr.ports.errors import ControlTimeout, PeerRefused, PeerUnavailable, TransportError
 
 
@@ -37,6 +38,9 @@ class MockControlChannel:
             self._fabric.node(self._endpoint).control_faults = faults
 
     def serve(self, handler: Handler) -> None:
+        self.serve_connections(lambda payload, _connection: handler(payload))
+
+    def serve_connections(self, handler: ConnectionHandler) -> None:
         if self._closed:
             raise TransportError(f"control channel {self._endpoint!r} is closed")
         node = self._fabric.node(self._endpoint)
@@ -60,7 +64,7 @@ class MockControlChannel:
             raise ControlTimeout(f"{endpoint} did not answer within {timeout_s:g}s")
         if faults.garble:
             return b"\x00garbled\xff"
-        reply = handler(bytes(payload))
+        reply = handler(bytes(payload), self._endpoint.encode())
         with self._fabric.lock:
             if node is not None:
                 node.served += 1
@@ -77,7 +81,7 @@ class MockControlChannel:
             faults = node.control_faults if node is not None else ControlFaults()
         if handler is None or faults.down or faults.stall or faults.garble:
             return  # one-way messages are best effort: a dead or stalled peer just loses them
-        handler(bytes(payload))
+        handler(bytes(payload), self._endpoint.encode())
         with self._fabric.lock:
             if node is not None:
                 node.served += 1

@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 from kvcr.domain.layout import RegionDescriptor
-from kvcr.ports.control import Handler
+from kvcr.ports.control import ConnectionHandler
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +62,7 @@ class _Node:
     control_faults: ControlFaults = ControlFaults()
     served: int = 0
     data_up: bool = False
-    handler: Handler | None = None
+    handler: ConnectionHandler | None = None
     control_up: bool = False
     incarnation: int = 0
 

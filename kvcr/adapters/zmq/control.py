@@ -42,7 +42,7 @@ from kvcr.adapters.zmq.server import ONEWAY_ID, REFUSAL_REASONS, ControlServer
 from kvcr.adapters.zmq.sockets import WILDCARD_HOSTS, zmq_address
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.hints import Endpoint
-from kvcr.ports.control import Handler
+from kvcr.ports.control import ConnectionHandler, Handler
 from kvcr.ports.errors import ControlTimeout, PeerRefused, PeerUnavailable, TransportError
 
 if TYPE_CHECKING:
@@ -79,6 +79,9 @@ class ZmqControlChannel:
         max_message_bytes: the largest request or reply accepted from a peer.
         max_peers: how many peers may keep sockets open at once (least recently used closed first).
         idle_close_s: a peer unused this long has its sockets closed.
+        handshake_timeout_s: a connection to our server that has not completed its ZMTP (and CURVE)
+            handshake this long after it was accepted is closed (``ZMQ_HANDSHAKE_IVL``; libzmq's
+            own default is 30 s): a flood of half-open greetings holds descriptors only this long.
         on_refusal: called (on the server thread) with a reason from ``REFUSAL_REASONS`` each
             time the server refuses a connection or drops a frame; must not block.
 
@@ -103,6 +106,7 @@ class ZmqControlChannel:
         max_message_bytes: int = 64 << 20,
         max_peers: int = 256,
         idle_close_s: float = 30.0,
+        handshake_timeout_s: float = 2.0,
         on_refusal: Callable[[str], None] | None = None,
     ) -> None:
         if not isinstance(port, int) or not 0 < port < 65536:
@@ -119,6 +123,14 @@ class ZmqControlChannel:
             raise ConfigError(f"control max_peers must be a positive integer, got {max_peers!r}")
         if not isinstance(idle_close_s, (int, float)) or not math.isfinite(idle_close_s) or idle_close_s <= 0:
             raise ConfigError(f"control idle_close_s must be a positive number of seconds, got {idle_close_s!r}")
+        if (
+            not isinstance(handshake_timeout_s, (int, float))
+            or not math.isfinite(handshake_timeout_s)
+            or not 0.001 <= handshake_timeout_s <= 3600
+        ):
+            raise ConfigError(
+                f"control handshake_timeout_s must be in 0.001..3600 seconds, got {handshake_timeout_s!r}"
+            )
         if token is None and rotation_tokens:
             raise ConfigError("control rotation_tokens need a current token")
         if token is None and not allow_unauthenticated and not _is_loopback(bind_host):
@@ -145,6 +157,7 @@ class ZmqControlChannel:
         self._keyring = keyring
         self._unauthenticated_remote = token is None and not _is_loopback(bind_host)
         self._max_message_bytes = max_message_bytes
+        self._handshake_ms = max(1, round(handshake_timeout_s * 1000))
         self._on_refusal = on_refusal
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
@@ -187,6 +200,9 @@ class ZmqControlChannel:
     # ------------------------------------------------------------------ server
 
     def serve(self, handler: Handler) -> None:
+        self.serve_connections(lambda payload, _connection: handler(payload))
+
+    def serve_connections(self, handler: ConnectionHandler) -> None:
         with self._lock:
             if self._closed:
                 raise TransportError(f"control channel {self._endpoint} is closed")
@@ -198,6 +214,7 @@ class ZmqControlChannel:
                 name=str(self._port),
                 keyring=self._keyring,
                 max_message_bytes=self._max_message_bytes,
+                handshake_ms=self._handshake_ms,
                 on_refusal=self._count_refusal,
                 on_tick=self._links.sweep,
                 on_stopped=self._server_stopped,
@@ -245,7 +262,7 @@ class ZmqControlChannel:
         conn: Conn | None = None
         reusable = False
         try:
-            conn = self._links.checkout(str(peer), ipv6=":" in peer.host)
+            conn = self._links.checkout(str(peer), ipv6=":" in peer.host, deadline=deadline)
             while True:
                 try:
                     reply = self._exchange(conn, endpoint, payload, timeout_s, deadline)

@@ -109,11 +109,13 @@ class Keyring:
         sock.setsockopt(lib.CURVE_SECRETKEY, keys.client_secret)
 
 
-def zap_reply(frames: list[bytes], keyring: Keyring) -> tuple[list[bytes], bool]:
+def zap_reply(frames: list[bytes], keyring: Keyring, user_id: bytes = b"") -> tuple[list[bytes], bool]:
     """Answer one ZAP request (RFC 27); returns the reply frames and whether the client was admitted.
 
     Only CURVE requests in our domain carrying an admitted key pass; anything else (another
-    mechanism, a malformed request) is refused, so a misconfigured socket fails closed.
+    mechanism, a malformed request) is refused, so a misconfigured socket fails closed. An admitted
+    connection gets ``user_id`` followed by the client's public key (hex) as its ZAP user id: libzmq
+    attaches it to every message of that connection (the ``User-Id`` property), and no peer can set it.
     """
     if len(frames) < 6:
         request_id = frames[1] if len(frames) > 1 else b""
@@ -126,8 +128,9 @@ def zap_reply(frames: list[bytes], keyring: Keyring) -> tuple[list[bytes], bool]
         and len(credentials) == 1
         and keyring.admits(credentials[0])
     )
-    status, text = (b"200", b"OK") if admitted else (b"400", b"not a cluster member")
-    return [_ZAP_VERSION, request_id, status, text, b"", b""], admitted
+    if not admitted:
+        return [_ZAP_VERSION, request_id, b"400", b"not a cluster member", b"", b""], False
+    return [_ZAP_VERSION, request_id, b"200", b"OK", user_id + b"/" + credentials[0].hex().encode(), b""], True
 
 
 def _lib() -> Any:

@@ -8,12 +8,17 @@ send, and by the server thread when the channel serves).
 
 Per peer:
 
-- up to four idle request sockets (DEALER with ``IMMEDIATE``: it takes a message only once a
-  connection is up), each with a socket monitor so a refused, failed or dropped connection is
-  seen within milliseconds. A socket is used by one thread at a time (checked out, checked in).
-- at most one one-way socket (DEALER without ``IMMEDIATE``, so a message queues while the
-  connection is being made, up to a small high-water mark; beyond it messages are dropped).
-  A one-way message prefers an idle request socket that is already connected.
+- one request socket (DEALER with ``IMMEDIATE``: it takes a message only once a connection is
+  up), with a socket monitor so a refused, failed or dropped connection is seen within
+  milliseconds. It is used by one thread at a time (checked out, checked in); another thread that
+  asks the same peer waits for it (within its own deadline) instead of opening a second
+  connection, because a peer's server binds sessions to the connection that opened them
+  (docs/security.md): a second connection would find its session refused.
+- one-way messages go over that request socket: at once when it is idle, at its check-in when
+  another thread holds it (at most ``_ONEWAY_HWM`` wait), and dropped when it failed (what they
+  referred to was bound to the connection that is gone). Only when no request socket was ever
+  opened to the peer is a one-way socket (DEALER without ``IMMEDIATE``, so a message queues while
+  the connection is being made, up to a small high-water mark) opened for them.
 - the index of the keyring entry whose keys last completed a handshake with it (token rotation).
 
 A connection checked out while its peer is evicted or forgotten is closed at check-in.
@@ -31,12 +36,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvcr.adapters.zmq.curve import Keyring
-from kvcr.ports.errors import TransportError
+from kvcr.ports.errors import ControlTimeout, TransportError
 
 if TYPE_CHECKING:
     import zmq
 
-MAX_IDLE_PER_PEER = 4
+MAX_IDLE_PER_PEER = 1  # one connection per peer: sessions are bound to it
 _ONEWAY_HWM = 256  # one-way messages queued per peer while its connection is not up
 _ONEWAY_MAX_INBOUND = 1024  # nothing ever answers a one-way socket: a peer that does is dropped
 _REQUEST_RCVHWM = 8  # replies queued per request socket: one is expected, the rest are stale
@@ -80,12 +85,14 @@ class Conn:
 class _Link:
     """Everything kept open to one peer."""
 
-    __slots__ = ("address", "idle", "ipv6", "key_index", "last_used", "oneway")
+    __slots__ = ("address", "busy", "idle", "ipv6", "key_index", "last_used", "oneway", "pending")
 
     def __init__(self, address: str, ipv6: bool, now: float) -> None:
         self.address = address
         self.ipv6 = ipv6
-        self.idle: list[Conn] = []
+        self.idle: list[Conn] = []  # the request connection while nobody holds it (at most one)
+        self.busy = False  # a thread holds the request connection (or is opening it)
+        self.pending: list[list[bytes]] = []  # one-way messages for it while it is held
         self.oneway: zmq.Socket[bytes] | None = None
         self.key_index = 0
         self.last_used = now
@@ -114,6 +121,7 @@ class PeerLinks:
         self._sweep_every_s = min(1.0, idle_close_s / 4)
         self._clock = clock
         self._lock = threading.Lock()
+        self._free = threading.Condition(self._lock)  # a link's request connection was checked in
         self._links: OrderedDict[str, _Link] = OrderedDict()  # least recently used first
         self._closed = False
         self._last_sweep = clock()
@@ -132,48 +140,77 @@ class PeerLinks:
 
     # ------------------------------------------------------------------ request sockets
 
-    def checkout(self, address: str, *, ipv6: bool) -> Conn:
-        """An idle healthy connection to ``address``, or a new one (not yet connected).
+    def checkout(self, address: str, *, ipv6: bool, deadline: float) -> Conn:
+        """The connection to ``address`` (waiting until ``deadline``, time.monotonic, while another
+        thread holds it), or a new one (not yet connected) when there is none or it failed.
 
         Raises:
             TransportError: the pool is closed, or libzmq could not open a socket.
+            ControlTimeout: another thread held the connection until ``deadline``.
         """
         with self._lock:
-            if self._closed:
-                raise TransportError("control channel is closed")
-            link = self._touch(address, ipv6)
+            while True:
+                if self._closed:
+                    raise TransportError("control channel is closed")
+                link = self._touch(address, ipv6)  # again after each wait: it may have been evicted
+                if not link.busy:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ControlTimeout(f"the control connection to {address} stayed busy until the deadline")
+                self._free.wait(min(remaining, 0.05))
+            link.busy = True
             conn = link.idle.pop() if link.idle else None
             key_index = link.key_index
-        while conn is not None:
-            self.read_events(conn)
-            if conn.failure is None:
-                return conn
-            self._close_conn(conn)  # the peer went away (or restarted) since: dial afresh
-            with self._lock:
-                conn = link.idle.pop() if link.idle else None
-        return self._open(link, key_index)
+        try:
+            if conn is not None:
+                self.read_events(conn)
+                if conn.failure is None:
+                    return conn
+                self._close_conn(conn)  # the peer went away (or restarted) since: dial afresh
+            return self._open(link, key_index)
+        except BaseException:
+            self._release_link(link, None)
+            raise
 
     def redial(self, conn: Conn) -> Conn | None:
-        """Close ``conn``, whose handshake failed, and dial with the next token's keys (None: none left)."""
+        """Close ``conn``, whose handshake failed, and dial with the next token's keys (None: none left,
+        and the checkout is over)."""
         self._close_conn(conn)
         if conn.key_index + 1 >= self.key_count:
+            self._release_link(conn.link, None)
             return None
-        return self._open(conn.link, conn.key_index + 1)
+        try:
+            return self._open(conn.link, conn.key_index + 1)
+        except BaseException:
+            self._release_link(conn.link, None)
+            raise
 
     def checkin(self, conn: Conn, reusable: bool) -> None:
         """Return ``conn`` to its peer's pool, or close it (not reusable, pool full, peer evicted)."""
-        keep = False
-        if reusable:
-            with self._lock:
-                link = self._links.get(conn.address)
-                if not self._closed and link is conn.link and len(link.idle) < MAX_IDLE_PER_PEER:
-                    link.idle.append(conn)
-                    link.key_index = conn.key_index  # these keys completed a handshake: dial with them next
-                    link.last_used = self._clock()
-                    keep = True
-        if not keep:
+        self._release_link(conn.link, conn if reusable else None, closing=conn)
+
+    def _release_link(self, link: _Link, keep: Conn | None, closing: Conn | None = None) -> None:
+        """End a checkout of ``link``: keep ``keep`` as its connection (sending what waited for it)."""
+        lib = self._zmq
+        with self._lock:
+            current = self._links.get(link.address) is link and not self._closed
+            pending, link.pending = link.pending, []
+            link.busy = False
+            if keep is not None and current and len(link.idle) < MAX_IDLE_PER_PEER:
+                link.idle.append(keep)
+                link.key_index = keep.key_index  # these keys completed a handshake: dial with them next
+                link.last_used = self._clock()
+                for frames in pending:
+                    try:
+                        keep.sock.send_multipart(frames, lib.NOBLOCK)
+                    except lib.Again:
+                        break
+                closing = None
+            self._free.notify_all()
+        if closing is not None:
             # After a timeout this drops whatever the peer still queues for us (a stale reply).
-            self._close_conn(conn)
+            self._close_conn(closing)
 
     def _open(self, link: _Link, key_index: int) -> Conn:
         lib = self._zmq
@@ -251,6 +288,11 @@ class PeerLinks:
             if self._closed:
                 return False
             link = self._touch(address, ipv6)
+            if link.busy:  # another thread holds the connection: it sends this at check-in
+                if len(link.pending) >= _ONEWAY_HWM:
+                    return False
+                link.pending.append(frames)
+                return True
             for conn in reversed(link.idle):  # idle, so ours while we hold the lock
                 self.read_events(conn)
                 if conn.connected and conn.failure is None:
@@ -258,7 +300,8 @@ class PeerLinks:
                         conn.sock.send_multipart(frames, lib.NOBLOCK)
                         return True
                     except lib.Again:
-                        break
+                        return False
+                return False  # it failed: what this message refers to was bound to it
             if link.oneway is None:
                 sock = self._new_dealer(link, link.key_index)
                 try:

@@ -20,6 +20,12 @@ Refusals are counted by a closed set of reasons (:data:`REFUSAL_REASONS`), never
 - ``handshake``: any other handshake failure (bytes that are not ZMTP at all);
 - ``frame``: a connected peer sent a request that is not ``[id, payload]``; it is dropped.
 
+The connection a request came over is named, for the handler, by the ROUTER's routing identity of
+that connection and, with CURVE, the ZAP user id this server gave its handshake (a serial number
+of this server's and the client's public key): libzmq attaches it to every message of the
+connection, and a peer cannot choose it, so a peer that copies another's routing identity (after
+that connection closed) still names another connection.
+
 Warnings about refusals and dropped frames are rate-limited: one line per interval with the
 count since the last one, so a flood cannot flood the log.
 """
@@ -37,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcr.adapters.zmq.curve import ZAP_ENDPOINT, Keyring, zap_reply
 from kvcr.adapters.zmq.sockets import bind_with_retry
-from kvcr.ports.control import Handler
+from kvcr.ports.control import ConnectionHandler
 from kvcr.ports.errors import TransportError
 
 if TYPE_CHECKING:
@@ -104,6 +110,7 @@ class ControlServer:
         name: str,
         keyring: Keyring | None,
         max_message_bytes: int,
+        handshake_ms: int,
         on_refusal: Callable[[str], None],
         on_tick: Callable[[], None],
         on_stopped: Callable[[], None],
@@ -113,6 +120,7 @@ class ControlServer:
         self._name = name
         self._keyring = keyring
         self._max_message_bytes = max_message_bytes
+        self._handshake_ms = handshake_ms
         self._on_refusal = on_refusal
         self._on_tick = on_tick
         self._on_stopped = on_stopped
@@ -121,10 +129,11 @@ class ControlServer:
         self._refusal_warning = RateLimitedWarning(log)
         self._frame_warning = RateLimitedWarning(log)
         self._handler_warning = RateLimitedWarning(log)
+        self._handshakes = itertools.count(1)  # ZAP user ids: one per admitted handshake, never reused
         fail = lib.EVENT_HANDSHAKE_FAILED_NO_DETAIL | lib.EVENT_HANDSHAKE_FAILED_PROTOCOL
         self._monitored = fail | lib.EVENT_HANDSHAKE_FAILED_AUTH
 
-    def start(self, bind_address: str, handler: Handler, *, ipv6: bool) -> None:
+    def start(self, bind_address: str, handler: ConnectionHandler, *, ipv6: bool) -> None:
         """Bind and start serving.
 
         Raises:
@@ -154,6 +163,9 @@ class ControlServer:
             sock.setsockopt(lib.RCVHWM, _ROUTER_RCVHWM)
             sock.setsockopt(lib.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
             sock.setsockopt(lib.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+            # A connection that never completes its greeting holds a descriptor until this expires;
+            # libzmq has no cap on accepted-but-unauthenticated connections, so this is the bound.
+            sock.setsockopt(lib.HANDSHAKE_IVL, self._handshake_ms)
             if ipv6:
                 sock.setsockopt(lib.IPV6, 1)
             if self._keyring is not None:
@@ -187,7 +199,11 @@ class ControlServer:
         return not self._thread.is_alive()
 
     def _loop(
-        self, sock: zmq.Socket[bytes], zap: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes], handler: Handler
+        self,
+        sock: zmq.Socket[bytes],
+        zap: zmq.Socket[bytes] | None,
+        monitor: zmq.Socket[bytes],
+        handler: ConnectionHandler,
     ) -> None:
         lib = self._zmq
         poller = lib.Poller()
@@ -205,7 +221,7 @@ class ControlServer:
                     for _ in range(_BATCH):
                         if not sock.getsockopt(lib.EVENTS) & lib.POLLIN:
                             break
-                        self._answer(sock, sock.recv_multipart(lib.NOBLOCK), handler)
+                        self._answer(sock, sock.recv_multipart(lib.NOBLOCK, copy=False), handler)
                 self._on_tick()
         except lib.ZMQError as exc:
             if not self._stop.is_set():
@@ -223,7 +239,7 @@ class ControlServer:
         lib = self._zmq
         assert self._keyring is not None
         while zap.getsockopt(lib.EVENTS) & lib.POLLIN:
-            reply, _ = zap_reply(zap.recv_multipart(lib.NOBLOCK), self._keyring)
+            reply, _ = zap_reply(zap.recv_multipart(lib.NOBLOCK), self._keyring, b"%d" % next(self._handshakes))
             zap.send_multipart(reply)  # a refusal is counted from the monitor's AUTH event
 
     def _count_handshake_failures(self, monitor: zmq.Socket[bytes]) -> None:
@@ -244,16 +260,19 @@ class ControlServer:
             self._on_refusal(reason)
             self._refusal_warning.warn("control server %s refused a connection (%s)", self._name, reason)
 
-    def _answer(self, sock: zmq.Socket[bytes], frames: list[bytes], handler: Handler) -> None:
+    def _answer(self, sock: zmq.Socket[bytes], message: list[zmq.Frame], handler: ConnectionHandler) -> None:
         lib = self._zmq
-        if len(frames) != 3 or len(frames[1]) != _REQUEST_ID_BYTES:
+        if len(message) != 3 or len(message[1]) != _REQUEST_ID_BYTES:
             self._on_refusal("frame")
             self._frame_warning.warn("control server %s dropped a malformed request", self._name)
             return
-        identity, request_id, payload = frames
+        identity, request_id, payload = (frame.bytes for frame in message)
+        connection = identity
+        if self._keyring is not None:  # only a ZAP handler sets a user id (asking without one raises)
+            connection += b"|" + str(message[0].get("User-Id")).encode()
         oneway = request_id == ONEWAY_ID
         try:
-            reply = handler(payload)
+            reply = handler(payload, connection)
             if oneway:
                 return
             if reply is None:

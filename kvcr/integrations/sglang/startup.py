@@ -171,6 +171,7 @@ def start(
         policy=settings.policy,
         timing=settings.timing(),
         verify_bytes=settings.verify_bytes,
+        max_peer_leased_fraction=settings.peer_lease_share,
     )
     node_settings = None
     if settings.control_port:
@@ -181,6 +182,7 @@ def start(
             token=token,
             rotation_tokens=rotation,
             allow_unauthenticated=settings.allow_unauthenticated,
+            handshake_timeout_s=settings.control_handshake_ms / 1000,
             peer=PeerSettings(
                 max_pages_per_read=settings.read_batch_pages,
                 landing=settings.landing,

@@ -26,6 +26,13 @@ from kvcr.runner.peer_client import LANDINGS
 TRANSPORTS = ("nixl", "ucx", "mock")
 MIN_TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 4096
+# A token of fewer distinct bytes than this is not random (``aaaa...``, ``0000...``, ``abababab...``):
+# a recorded handshake lets anyone test guesses of it offline, so it is refused, not warned about.
+MIN_TOKEN_DISTINCT_BYTES = 8
+# How long a connection to the control port may take to complete its handshake: a half-open one
+# (a greeting that never finishes) holds a descriptor until then. Below 100 ms a slow link fails.
+MIN_HANDSHAKE_MS = 100
+MAX_HANDSHAKE_MS = 60_000
 
 # Keys SGLang itself reads from the same dict (routing of the dynamic backend and prefetch tuning).
 SGLANG_KEYS = frozenset(
@@ -67,6 +74,8 @@ class KvcrSettings:
     peer_allowlist: tuple[str, ...] = ()
     recompute_tokens_per_s: float = 0.0
     max_peer_links: int = 64
+    control_handshake_ms: int = 2000
+    peer_lease_share: float = 0.5
     policy: str = "lru"
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kv-events"
@@ -141,7 +150,21 @@ def read_token_file(path: str, setting: str = "auth_token_file") -> bytes:
         raise ConfigError(f"{setting} {path!r} contains a NUL byte")
     if len(token) < MIN_TOKEN_BYTES:
         raise ConfigError(f"{setting} {path!r}: the token must be at least {MIN_TOKEN_BYTES} bytes")
+    weak = token_weakness(token)
+    if weak is not None:
+        raise ConfigError(f"{setting} {path!r}: {weak}")
     return token
+
+
+def token_weakness(token: bytes) -> str | None:
+    """Why ``token`` (stripped) is too guessable to key the control channel, or None when it is not."""
+    distinct = len(set(token))
+    if distinct < MIN_TOKEN_DISTINCT_BYTES:
+        return (
+            f"the token has only {distinct} distinct byte values (at least {MIN_TOKEN_DISTINCT_BYTES}); "
+            "use random bytes, e.g. head -c 32 /dev/urandom | base64"
+        )
+    return None
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -165,6 +188,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "peer_allowlist": (list,),
     "recompute_tokens_per_s": (int, float),
     "max_peer_links": (int,),
+    "control_handshake_ms": (int,),
+    "peer_lease_share": (int, float),
     "policy": (str,),
     "kv_events_endpoint": (str, type(None)),
     "kv_events_topic": (str,),
@@ -228,10 +253,16 @@ def _check(s: KvcrSettings) -> None:
             raise ConfigError(f"{key} must be in 1..{int(MAX_TIMEOUT_S * 1000)}, got {value}")
     if not 0 < s.peer_retry_ms <= MAX_TIMEOUT_S * 1000:
         raise ConfigError(f"peer_retry_ms must be in 1..{int(MAX_TIMEOUT_S * 1000)}, got {s.peer_retry_ms}")
+    if not MIN_HANDSHAKE_MS <= s.control_handshake_ms <= MAX_HANDSHAKE_MS:
+        raise ConfigError(
+            f"control_handshake_ms must be in {MIN_HANDSHAKE_MS}..{MAX_HANDSHAKE_MS}, got {s.control_handshake_ms}"
+        )
     for key in ("read_batch_pages", "max_peer_links"):
         if not 0 < getattr(s, key) <= 1 << 16:
             raise ConfigError(f"{key} must be in 1..65536, got {getattr(s, key)}")
     # JSON as SGLang reads it accepts NaN and Infinity: NaN would switch the check off, Infinity every remote read.
+    if not 0 < s.peer_lease_share <= 1:  # NaN fails this too
+        raise ConfigError(f"peer_lease_share must be a number in (0, 1], got {s.peer_lease_share}")
     if not 0 <= s.recompute_tokens_per_s < math.inf:
         raise ConfigError(f"recompute_tokens_per_s must be a finite number >= 0, got {s.recompute_tokens_per_s}")
     if s.landing not in LANDINGS:

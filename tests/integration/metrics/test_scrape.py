@@ -50,6 +50,7 @@ class Replica:
             NamespaceSpec("scrape", 64, "bfloat16", "page_first"),
             (pool,),
             dram_bytes=16 * PAGE,
+            max_peer_leased_fraction=1.0,  # one peer restores 8 of 16 pages: up to the pool's lease cap
         )
         self.metrics = PrometheusMetrics(CollectorRegistry(), strict=True)
         container = build_container(config, node=NodeSettings("127.0.0.1", free_port()))

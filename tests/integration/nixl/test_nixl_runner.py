@@ -49,7 +49,8 @@ def nodes():
     def make(name):
         pools = (kv_pool(PIECE),)
         namespace = NamespaceSpec("m", 4, "bf16", "page_first")
-        config = RunnerConfig(name, namespace, pools, dram_bytes=16 * pools[0].page_bytes)
+        # One peer restores up to the pool's lease cap here (8 of 16 slots): no per-peer share below it.
+        config = RunnerConfig(name, namespace, pools, dram_bytes=16 * pools[0].page_bytes, max_peer_leased_fraction=1.0)
         settings = NodeSettings("127.0.0.1", free_port(), close_lease_wait_s=0.2)
         container = build_container(config, node=settings, transport="nixl", control="mock", memory="mock")
         container.fabric.override(fabric)

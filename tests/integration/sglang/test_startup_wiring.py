@@ -45,8 +45,8 @@ def test_the_runner_and_the_node_run_with_the_configured_settings(stores, tmp_pa
     settings = {
         "control_port": port,
         "control_advertise_host": "127.0.0.9",
-        "auth_token_file": token_file(tmp_path, "token", b"a" * 16),
-        "rotation_token_files": [token_file(tmp_path, "old", b"b" * 16)],
+        "auth_token_file": token_file(tmp_path, "token", b"token-0123456789abcdef"),
+        "rotation_token_files": [token_file(tmp_path, "old", b"old-0123456789abcdef")],
         "allow_unauthenticated": True,
         "policy": "fifo",
         "verify_bytes": True,
@@ -56,12 +56,15 @@ def test_the_runner_and_the_node_run_with_the_configured_settings(stores, tmp_pa
         "landing": "staged",
         "recompute_tokens_per_s": 1000.0,
         "max_peer_links": 3,
+        "control_handshake_ms": 1500,
+        "peer_lease_share": 0.25,
     }
     store, host = stores(**settings)
     parsed = parse_settings(sg.extra_config(**settings))
     config = store.runner.config
     assert config.namespace == NamespaceSpec("test-model", sg.P, str(host.dtype), "page_first")
     assert (config.policy, config.timing, config.verify_bytes) == ("fifo", parsed.timing(), True)
+    assert config.max_peer_leased_fraction == 0.25
     # NIXL agent names are unique across the cluster: host, process, rank and 8 random hex digits
     name = rf"kvcr-{re.escape(socket.gethostname())}-{os.getpid()}-dp0-r0-[0-9a-f]{{8}}"
     assert re.fullmatch(name, config.name)
@@ -69,9 +72,10 @@ def test_the_runner_and_the_node_run_with_the_configured_settings(stores, tmp_pa
         "127.0.0.1",
         port,
         advertise_host="127.0.0.9",
-        token=b"a" * 16,
-        rotation_tokens=(b"b" * 16,),
+        token=b"token-0123456789abcdef",
+        rotation_tokens=(b"old-0123456789abcdef",),
         allow_unauthenticated=True,
+        handshake_timeout_s=1.5,
         peer=PeerSettings(
             max_pages_per_read=7, landing="staged", recompute_tokens_per_s=1000.0, tokens_per_page=sg.P, max_links=3
         ),

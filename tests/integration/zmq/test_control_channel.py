@@ -298,6 +298,9 @@ TOKEN = b"a-cluster-token-of-32-bytes-long"
         ({"max_peers": 0}, "max_peers"),
         ({"idle_close_s": 0}, "idle_close_s"),
         ({"idle_close_s": float("nan")}, "idle_close_s"),
+        ({"handshake_timeout_s": 0}, "handshake_timeout_s"),
+        ({"handshake_timeout_s": float("inf")}, "handshake_timeout_s"),
+        ({"handshake_timeout_s": "2"}, "handshake_timeout_s"),
     ],
 )
 def test_unsafe_or_bad_security_settings_are_config_errors_naming_the_setting(kwargs, setting):

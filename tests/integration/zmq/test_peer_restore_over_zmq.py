@@ -88,3 +88,18 @@ def test_a_dead_source_is_a_quick_miss(cluster):
     assert outcomes_of(result) == [Outcome.MISS, Outcome.MISS]
     assert time.monotonic() - started < TIMING.control_s + 0.5
     assert b.metrics.snapshot()["kvcr_failures_total{path=remote_restore,reason=peer_unavailable}"] == 1
+
+
+def test_a_target_whose_control_connection_was_replaced_says_hello_again_and_restores(cluster):
+    """Sessions are bound to the connection that opened them: a new connection finds the old session
+    refused (as unknown) and the target opens a fresh one, without a miss."""
+    a, b = cluster.node("A", token=TOKEN), cluster.node("B", token=TOKEN)
+    pages = sequence(2)
+    seed(a, pages, [0, 1])
+    assert outcomes_of(b.client.restore(a.endpoint, [PoolRead("kv", pages, [5, 6])])) == [Outcome.RESTORED] * 2
+    b.control.forget(a.endpoint)  # its connection closes; the peer link (and its session id) stays
+    b.hosts["kv"].zero_page(5)
+    assert outcomes_of(b.client.restore(a.endpoint, [PoolRead("kv", pages[:1], [5])])) == [Outcome.RESTORED]
+    assert b.hosts["kv"].read_page(5) == content(pages[0], 512)
+    snapshot = a.metrics.snapshot()
+    assert snapshot.get("kvcr_peer_requests_refused_total{reason=foreign_session}", 0) == 1

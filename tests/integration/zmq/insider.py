@@ -1,0 +1,82 @@
+"""A hostile token holder in its own process (``python -m tests.integration.zmq.insider``).
+
+It holds the cluster token (so CURVE admits it) and speaks the peer protocol with a raw pyzmq
+DEALER: its own connection, its own keys derived from the token, no kvcr client code in between.
+It reads one JSON command per stdin line and answers each with one JSON line:
+
+- ``{"do": "release", "session": s, "lease_ids": [...]}``: a one-way RELEASE under session ``s``;
+  answers ``{"sent": true}``.
+- ``{"do": "lease", "session": s, "pages": [[pool id, [page hash, ...]], ...], "lease_ms": n}``:
+  a LEASE under session ``s``; answers the reply (``{"lease_id": .., "slots": ..}`` or
+  ``{"refused": code}``).
+- ``{"do": "hello", "namespaces": {pool: digest}}``: opens a session of its own; answers
+  ``{"session": s, "pools": {name: id}}`` or ``{"refused": code}``.
+
+End of input closes the socket and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import secrets
+import sys
+from pathlib import Path
+
+import zmq
+
+from kvcr.adapters.zmq.curve import Keyring
+from kvcr.runner import protocol
+
+_IDS = itertools.count(1)
+
+
+def _ask(sock: zmq.Socket[bytes], message: protocol.Message) -> protocol.Message:
+    request_id = next(_IDS).to_bytes(8, "big")
+    sock.send_multipart([request_id, protocol.encode(message)])
+    if not sock.poll(5000):
+        raise TimeoutError("no reply within 5 s")
+    frames = sock.recv_multipart()
+    assert frames[0] == request_id and frames[1] == b"\x00", frames[:2]
+    return protocol.decode(frames[2])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--token-file", required=True)
+    args = parser.parse_args()
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    Keyring(Path(args.token_file).read_bytes()).configure_client(sock, 0)
+    sock.connect(args.endpoint)
+    for line in sys.stdin:
+        command = json.loads(line)
+        nonce = secrets.token_bytes(protocol.NONCE_BYTES)
+        answer: dict[str, object]
+        if command["do"] == "release":
+            release = protocol.Release(command["session"], command["lease_ids"])
+            sock.send_multipart([bytes(8), protocol.encode(release)])
+            answer = {"sent": True}
+        elif command["do"] == "hello":
+            reply = _ask(sock, protocol.Hello(nonce, "insider", "insider", command["namespaces"]))
+            if isinstance(reply, protocol.HelloReply):
+                answer = {"session": reply.session, "pools": {p.name: p.pool_id for p in reply.pools}}
+            else:
+                answer = {"refused": getattr(reply, "code", None)}
+        else:
+            pages = [(pool_id, hashes) for pool_id, hashes in command["pages"]]
+            reply = _ask(sock, protocol.Lease(nonce, command["session"], command.get("lease_ms", 10_000), pages))
+            if isinstance(reply, protocol.LeaseReply):
+                answer = {"lease_id": reply.lease_id, "slots": reply.slots, "ttl_ms": reply.ttl_ms}
+            else:
+                answer = {"refused": getattr(reply, "code", None)}
+        print(json.dumps(answer), flush=True)
+    sock.close()
+    context.term()
+
+
+if __name__ == "__main__":
+    main()
