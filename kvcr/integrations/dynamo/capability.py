@@ -67,6 +67,22 @@ def check_worker_type(worker_type: str) -> str:
     return worker_type
 
 
+def hint_capability(control_endpoint: str, worker_type: str = "aggregated") -> dict[str, Any]:
+    """The three capability entries of ``EngineConfig.runtime_data``, ``router_hint`` last.
+
+    Dynamo publishes ``runtime_data`` as one record, so the router never sees a partial set.
+
+    Raises:
+        ConfigError: the endpoint is not dialable or the worker type unknown.
+    """
+    endpoints = check_control_endpoints({0: control_endpoint})
+    return {
+        ROUTER_HINT_SOURCE_CONTROL_ENDPOINTS: {"0": endpoints[0]},
+        ROUTER_HINT_WORKER_TYPE: check_worker_type(worker_type),
+        ROUTER_HINT: True,
+    }
+
+
 def publish_hint_capability(
     runtime_config: EngineSpecificConfig, control_endpoints: Mapping[int, str], worker_type: str
 ) -> None:

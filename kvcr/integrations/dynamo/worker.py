@@ -38,13 +38,7 @@ from dynamo.common.backend.publisher import KvEventSource, ZmqSource
 from dynamo.common.backend.worker import WorkerConfig
 
 from kvcr.domain.errors import ConfigError
-from kvcr.integrations.dynamo.capability import (
-    ROUTER_HINT,
-    ROUTER_HINT_SOURCE_CONTROL_ENDPOINTS,
-    ROUTER_HINT_WORKER_TYPE,
-    check_control_endpoints,
-    check_worker_type,
-)
+from kvcr.integrations.dynamo.capability import hint_capability
 from kvcr.integrations.dynamo.forwarding import kv_hints_from_request
 from kvcr.integrations.dynamo.worker_settings import WorkerSettings, parse_worker_args
 
@@ -53,22 +47,6 @@ log = logging.getLogger(__name__)
 KV_EVENTS_TOPIC = "kv-events"
 FIRST_OUTPUT_TOKEN = 3  # the fixed stream cycles through ids 3.. (past bos/eos/unk of a small vocabulary)
 CLEAR_CONTROL = "clear_kvcr"
-
-
-def hint_capability(control_endpoint: str, worker_type: str = "aggregated") -> dict[str, Any]:
-    """The three capability entries of ``EngineConfig.runtime_data``, ``router_hint`` last.
-
-    Dynamo publishes ``runtime_data`` as one record, so the router never sees a partial set.
-
-    Raises:
-        ConfigError: the endpoint is not dialable or the worker type unknown.
-    """
-    endpoints = check_control_endpoints({0: control_endpoint})
-    return {
-        ROUTER_HINT_SOURCE_CONTROL_ENDPOINTS: {"0": endpoints[0]},
-        ROUTER_HINT_WORKER_TYPE: check_worker_type(worker_type),
-        ROUTER_HINT: True,
-    }
 
 
 class _Report:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvcr.domain.errors import ConfigError
-from kvcr.integrations.dynamo.worker import hint_capability
+from kvcr.integrations.dynamo.capability import hint_capability
 from kvcr.integrations.dynamo.worker_settings import parse_worker_args
 
 MODEL = str(Path(__file__).parent)  # any directory stands for a model directory here
