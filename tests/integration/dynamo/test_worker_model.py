@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvcr.demo.dynamo.worker_model import StandInModel, prepare_sglang
+from kvcr.demo.dynamo.worker_settings import parse_worker_args
 from kvcr.domain.keys import page_hashes, router_id
-from kvcr.integrations.dynamo.worker_model import StandInModel, prepare_sglang
-from kvcr.integrations.dynamo.worker_settings import parse_worker_args
 from tests.support import free_port
 
 pytestmark = [pytest.mark.nixl, pytest.mark.sglang]

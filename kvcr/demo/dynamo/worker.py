@@ -1,4 +1,4 @@
-"""The kvcr Dynamo worker: ``python -m kvcr.integrations.dynamo.worker`` (also ``kvcr worker``).
+"""The kvcr Dynamo worker: ``python -m kvcr.demo.dynamo.worker`` (also ``kvcr worker``).
 
 Built on Dynamo's own Python backend API (``dynamo.common.backend``): Dynamo's Rust ``Worker``
 registers the model, serves the ``generate`` endpoint on the tcp request plane and relays KV
@@ -37,10 +37,10 @@ from dynamo.common.backend import EngineConfig, GenerateChunk, GenerateRequest, 
 from dynamo.common.backend.publisher import KvEventSource, ZmqSource
 from dynamo.common.backend.worker import WorkerConfig
 
+from kvcr.demo.dynamo.worker_settings import WorkerSettings, parse_worker_args
 from kvcr.domain.errors import ConfigError
 from kvcr.integrations.dynamo.capability import hint_capability
 from kvcr.integrations.dynamo.forwarding import kv_hints_from_request
-from kvcr.integrations.dynamo.worker_settings import WorkerSettings, parse_worker_args
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class KvcrWorker(LLMEngine):
         return cls(settings), config
 
     async def start(self, worker_id: int) -> EngineConfig:
-        from kvcr.integrations.dynamo.worker_model import StandInModel, prepare_sglang
+        from kvcr.demo.dynamo.worker_model import StandInModel, prepare_sglang
 
         s = self.settings
         capability = hint_capability(s.control_endpoint) if s.hint_capability else None
