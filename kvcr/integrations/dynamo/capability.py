@@ -19,6 +19,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvcr.domain.endpoints import bracketed
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.hints import Endpoint
 from kvcr.domain.topology import RankLayout
@@ -141,8 +142,4 @@ def control_endpoints_for(
         )
         for d in range(dp_size)
     }
-    return check_control_endpoints({rank: f"tcp://{_bracket(host)}:{port}" for rank, port in ports.items()})
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return check_control_endpoints({rank: f"tcp://{bracketed(host)}:{port}" for rank, port in ports.items()})
