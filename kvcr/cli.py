@@ -411,7 +411,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _worker(argv: Sequence[str]) -> int:
-    from kvcr.integrations.dynamo.worker import main as worker_main
+    from kvcr.demo.dynamo.worker import main as worker_main
 
     return worker_main(list(argv))
 
@@ -456,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "worker",
         add_help=False,
-        help="a kvcr Dynamo worker (python -m kvcr.integrations.dynamo.worker; `kvcr worker --help`)",
+        help="a kvcr Dynamo worker (python -m kvcr.demo.dynamo.worker; `kvcr worker --help`)",
     )
 
     bench = command(commands, "bench", "benchmarks (ratios against a baseline measured in the same run)")

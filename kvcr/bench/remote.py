@@ -180,16 +180,16 @@ class RawReader:
         import numpy as np
         from nixl._api import nixl_agent, nixl_agent_config
 
-        from kvcr.adapters.nixl import wire
+        from kvcr.adapters.nixl import described_peer
 
         self._np = np
-        decoded, _, _ = wire.decode(description)
+        decoded = described_peer(description)
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
         self.agent.create_backend("UCX", {})
         self.registration = self.agent.register_memory([(span[0], span[1], 0, "")], "DRAM")
         peer = self.agent.add_remote_agent(decoded.metadata)
         self.peer = peer.decode() if isinstance(peer, bytes) else str(peer)
-        by_id = {r.id: r for r in decoded.regions}
+        by_id = decoded.regions
         remote_rows = [[by_id[i].base, by_id[i].piece_bytes, 0, by_id[i].stride, by_id[i].count] for i in region_ids]
         local_rows = [[r.base, r.piece_bytes, 0, r.stride, r.count] for r in regions]
         if [row[1] for row in remote_rows] != pool_pieces:

@@ -2,7 +2,7 @@
 
 One command starts ``python -m dynamo.frontend --router-mode kv`` and ``--workers`` kvcr workers
 (SGLang's host pool and controller over kvcr, NIXL between workers; see
-``kvcr.integrations.dynamo.worker``) on loopback, then replays conversations through the OpenAI
+``kvcr.demo.dynamo.worker``) on loopback, then replays conversations through the OpenAI
 chat API: every conversation starts with the same system prompt and each turn extends the
 previous one, so each prompt's pages are somewhere in some worker's kvcr. The router sends a turn
 where its cost model says (prefix overlap against load); when the worker it picks lacks the
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcr.demo.dynamo.deployment import Deployment, DeploymentError, WorkerSpec
+from kvcr.demo.dynamo.tiny_model import word
 from kvcr.domain.units import format_byte_size
-from kvcr.integrations.dynamo.deployment import Deployment, DeploymentError, WorkerSpec
-from kvcr.integrations.dynamo.tiny_model import word
 
 PAGE_TOKENS = 16
 

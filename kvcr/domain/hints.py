@@ -26,11 +26,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvcr.domain.endpoints import WILDCARD_HOSTS, bracketed, split_host_port
+
 MAX_BLOCK_HASHES = 1 << 20
 _U64_MOD = 1 << 64
 _I64_MIN = -(1 << 63)
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$")
-_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]"})
 SUPPORTED_PROTOCOL_MAJOR = "0"
 SUPPORTED_ACTION_MAJOR = "1"
 LEGACY_WRAPPER_KEY = "kvcr_router_hint"
@@ -44,14 +45,13 @@ class Endpoint:
     port: int
 
     def __post_init__(self) -> None:
-        if self.host in _WILDCARD_HOSTS or not self.host:
+        if self.host in WILDCARD_HOSTS or not self.host:
             raise ValueError(f"endpoint host {self.host!r} is not dialable")
         if not 0 < self.port < 65536:
             raise ValueError(f"endpoint port {self.port} is outside 1..65535")
 
     def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
+        return f"tcp://{bracketed(self.host)}:{self.port}"
 
     def offset(self, rank_offset: int) -> Endpoint:
         """The endpoint of the rank ``rank_offset`` ports above this one."""
@@ -67,15 +67,16 @@ class Endpoint:
             rest = text[len("tcp://") :]
         elif require_scheme:
             raise ValueError(f"endpoint {text!r} must start with tcp://")
-        if rest.startswith("["):
-            host, sep, port_text = rest[1:].partition("]:")
-            if not sep:
-                raise ValueError(f"endpoint {text!r} has no port")
+        split = split_host_port(rest)
+        if split is None:
+            raise ValueError(
+                f"endpoint {text!r} has no port" if rest.startswith("[") else f"endpoint {text!r} is not host:port"
+            )
+        host, port_text, in_brackets = split
+        if in_brackets:
             ipaddress.IPv6Address(host)
-        else:
-            host, sep, port_text = rest.rpartition(":")
-            if not sep or _HOST.match(host) is None:
-                raise ValueError(f"endpoint {text!r} is not host:port")
+        elif _HOST.match(host) is None:
+            raise ValueError(f"endpoint {text!r} is not host:port")
         if not port_text.isdigit() or len(port_text) > 5:
             raise ValueError(f"endpoint {text!r} has no numeric port")
         return cls(host, int(port_text))

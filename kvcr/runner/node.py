@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvcr.domain.endpoints import WILDCARD_HOSTS
 from kvcr.domain.errors import ConfigError, KvcrError
 from kvcr.domain.hints import Endpoint
 from kvcr.domain.layout import RegionDescriptor
@@ -31,7 +32,7 @@ from kvcr.runner.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
-_WILDCARD = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+_WILDCARD = WILDCARD_HOSTS | {""}  # an empty advertise host names no host either
 
 
 def is_loopback(host: str) -> bool:

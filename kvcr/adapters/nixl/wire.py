@@ -8,6 +8,7 @@ the sender is: name, a random incarnation, and the host identity CMA depends on.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import msgspec
 
@@ -72,6 +73,26 @@ def decode(blob: bytes) -> tuple[Description, dict[int, Extent], list[list[int]]
         rows.append(row(region))
         first += region.count
     return desc, extents, rows
+
+
+@dataclass(frozen=True, slots=True)
+class DescribedPeer:
+    """What a bare NIXL agent needs to read a described peer: its NIXL metadata and exposed regions."""
+
+    name: str
+    metadata: bytes
+    regions: dict[int, RegionDescriptor]  # by region id; each label is its id
+
+
+def described_peer(blob: bytes) -> DescribedPeer:
+    """A peer's description, checked as ``connect`` checks it, as a bare NIXL agent uses it.
+
+    Raises:
+        PeerUnavailable: as ``decode``.
+    """
+    desc, _, _ = decode(blob)
+    regions = {r.id: RegionDescriptor(str(r.id), r.base, r.stride, r.count, r.piece_bytes) for r in desc.regions}
+    return DescribedPeer(desc.name, desc.metadata, regions)
 
 
 def row(region: RegionDescriptor) -> list[int]:

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 from kvcr.adapters.zmq.curve import Keyring
 from kvcr.adapters.zmq.links import Conn, PeerLinks
 from kvcr.adapters.zmq.server import ONEWAY_ID, REFUSAL_REASONS, ControlServer
-from kvcr.adapters.zmq.sockets import WILDCARD_HOSTS, zmq_address
+from kvcr.adapters.zmq.sockets import zmq_address
+from kvcr.domain.endpoints import WILDCARD_HOSTS
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.hints import Endpoint
 from kvcr.ports.control import ConnectionHandler, Handler

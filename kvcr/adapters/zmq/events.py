@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvcr.adapters.zmq.sockets import bind_with_retry, zmq_address
+from kvcr.domain.endpoints import split_host_port
 from kvcr.domain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -53,18 +54,19 @@ def bind_address(endpoint: str) -> tuple[str, int]:
     if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
         raise ConfigError(f"kv events endpoint must be tcp://host:port, got {endpoint!r}")
     rest = endpoint[len("tcp://") :]
-    if rest.startswith("["):
-        host, sep, port_text = rest[1:].partition("]:")
-        if not sep:
+    split = split_host_port(rest)
+    if split is None:
+        if rest.startswith("["):
             raise ConfigError(f"kv events endpoint {endpoint!r} has no port")
+        raise ConfigError(f"kv events endpoint {endpoint!r} is not tcp://host:port")
+    host, port_text, in_brackets = split
+    if in_brackets:
         try:
             ipaddress.IPv6Address(host)
         except ValueError as exc:
             raise ConfigError(f"kv events endpoint {endpoint!r}: {exc}") from exc
-    else:
-        host, sep, port_text = rest.rpartition(":")
-        if not sep or not host or ":" in host:
-            raise ConfigError(f"kv events endpoint {endpoint!r} is not tcp://host:port")
+    elif not host or ":" in host:
+        raise ConfigError(f"kv events endpoint {endpoint!r} is not tcp://host:port")
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ConfigError(f"kv events endpoint {endpoint!r} needs a port in 1..65535")
     return host, int(port_text)

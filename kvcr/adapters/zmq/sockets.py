@@ -5,18 +5,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kvcr.domain.endpoints import WILDCARD_HOSTS, bracketed
 from kvcr.ports.errors import AddressInUse, TransportError
-
-WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
 
 def zmq_address(host: str, port: int) -> str:
     """The ZMQ address to bind ``host:port`` (wildcards become ``*``, IPv6 hosts get brackets)."""
-    if host in WILDCARD_HOSTS:
-        host = "*"
-    elif ":" in host:
-        host = f"[{host}]"
-    return f"tcp://{host}:{port}"
+    return f"tcp://{'*' if host in WILDCARD_HOSTS else bracketed(host)}:{port}"
 
 
 def bind_with_retry(zmq: Any, sock: Any, address: str, retry_s: float, what: str) -> None:

@@ -19,6 +19,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvcr.domain.endpoints import bracketed
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.hints import Endpoint
 from kvcr.domain.topology import RankLayout
@@ -65,6 +66,22 @@ def check_worker_type(worker_type: str) -> str:
     if worker_type not in WORKER_TYPES:
         raise ConfigError(f"{ROUTER_HINT_WORKER_TYPE} must be one of {', '.join(WORKER_TYPES)}, got {worker_type!r}")
     return worker_type
+
+
+def hint_capability(control_endpoint: str, worker_type: str = "aggregated") -> dict[str, Any]:
+    """The three capability entries of ``EngineConfig.runtime_data``, ``router_hint`` last.
+
+    Dynamo publishes ``runtime_data`` as one record, so the router never sees a partial set.
+
+    Raises:
+        ConfigError: the endpoint is not dialable or the worker type unknown.
+    """
+    endpoints = check_control_endpoints({0: control_endpoint})
+    return {
+        ROUTER_HINT_SOURCE_CONTROL_ENDPOINTS: {"0": endpoints[0]},
+        ROUTER_HINT_WORKER_TYPE: check_worker_type(worker_type),
+        ROUTER_HINT: True,
+    }
 
 
 def publish_hint_capability(
@@ -125,8 +142,4 @@ def control_endpoints_for(
         )
         for d in range(dp_size)
     }
-    return check_control_endpoints({rank: f"tcp://{_bracket(host)}:{port}" for rank, port in ports.items()})
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return check_control_endpoints({rank: f"tcp://{bracketed(host)}:{port}" for rank, port in ports.items()})

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcr.domain.deadlines import MAX_TIMEOUT_S, Timing
+from kvcr.domain.endpoints import WILDCARD_HOSTS
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.eviction import POLICIES
 from kvcr.domain.hints import Endpoint
@@ -312,8 +313,10 @@ def _check_events_endpoint(endpoint: str) -> None:
     if host_port is None:
         raise ConfigError(f"kv_events_endpoint must be tcp://host:port, got {_shown(endpoint)}")
     host, _, port = host_port.rpartition(":")
-    if host in ("*", "0.0.0.0", "[::]"):
-        host = "127.0.0.1"  # a wildcard bind is fine for a PUB; check the port only
+    if host in WILDCARD_HOSTS and host != "::":
+        # a wildcard bind is fine for a PUB; check the port only (an unbracketed "::" cannot be
+        # followed by a port, so it is left for Endpoint.parse to refuse)
+        host = "127.0.0.1"
     try:
         Endpoint.parse(f"tcp://{host}:{port}")
     except ValueError as exc:

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 import kvcr
-from kvcr.integrations.dynamo.deployment import Deployment, DeploymentError, Worker, WorkerSpec
-from kvcr.integrations.dynamo.tiny_model import token_id
+from kvcr.demo.dynamo.deployment import Deployment, DeploymentError, Worker, WorkerSpec
+from kvcr.demo.dynamo.tiny_model import token_id
 from tests.support import free_port
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.nixl, pytest.mark.timeout(240)]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from kvcr.demo.dynamo.worker_settings import parse_worker_args
 from kvcr.domain.errors import ConfigError
-from kvcr.integrations.dynamo.worker import hint_capability
-from kvcr.integrations.dynamo.worker_settings import parse_worker_args
+from kvcr.integrations.dynamo.capability import hint_capability
 
 MODEL = str(Path(__file__).parent)  # any directory stands for a model directory here
 BASE = ["--model", MODEL, "--control-port", "30001", "--kv-events-port", "30002"]

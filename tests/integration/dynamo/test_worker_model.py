@@ -7,15 +7,18 @@ idea of one page's bytes is wrong must notice (the check can fail).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from kvcr.demo.dynamo.worker_model import StandInModel, prepare_sglang
+from kvcr.demo.dynamo.worker_settings import parse_worker_args
 from kvcr.domain.keys import page_hashes, router_id
-from kvcr.integrations.dynamo.worker_model import StandInModel, prepare_sglang
-from kvcr.integrations.dynamo.worker_settings import parse_worker_args
 from tests.support import free_port
 
 pytestmark = [pytest.mark.nixl, pytest.mark.sglang]
 PAGE = 16
+MODEL = str(Path(__file__).parent)  # any directory stands for a model directory here (the worker checks it is one)
 
 
 class Misremembering(StandInModel):
@@ -29,7 +32,7 @@ class Misremembering(StandInModel):
 
 def model(cls=StandInModel):
     prepare_sglang()
-    args = ["--model", "m", "--control-port", str(free_port()), "--kv-events-port", str(free_port())]
+    args = ["--model", MODEL, "--control-port", str(free_port()), "--kv-events-port", str(free_port())]
     return cls(parse_worker_args([*args, "--page-kib", "32", "--host-pages", "64"]))
 
 

@@ -210,3 +210,19 @@ def test_progress_off_needs_the_source_to_progress_for_wire_up(planes):
     assert time.monotonic() - start < 1.5
     with pytest.raises(TransportError):
         planes("bad", progress_wake_s=0)
+
+
+def test_described_peer_gives_a_bare_agent_the_metadata_and_the_exposed_regions(planes):
+    from kvcr.adapters.nixl import described_peer
+
+    arena, host = Pool("arena", 8, 4 * KIB, seed=6), Pool("host", 8, 4 * KIB, seed=7)
+    source = planes("source")
+    (a,) = source.register([arena.region], exposed=True)
+    source.register([host.region], exposed=False)
+    peer = described_peer(source.describe())
+    assert peer.name == "source" and list(peer.regions) == [a]
+    r = peer.regions[a]
+    assert (r.base, r.stride, r.count, r.piece_bytes) == (arena.region.base, 4 * KIB, 8, 4 * KIB)
+    assert peer.metadata == msgspec.msgpack.decode(source.describe())["metadata"]
+    with pytest.raises(PeerUnavailable):
+        described_peer(b"not a description")

@@ -183,7 +183,7 @@ def test_the_bench_runs_every_column_and_names_the_transports(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--pieces", "8K", "--batches", "4", "--reps", "1", "--json", str(out)]
     done = subprocess.run(
-        [sys.executable, "-m", "kvcr.adapters.ucx.bench", *args],
+        [sys.executable, "-m", "kvcr.bench.ucx_adapter", *args],
         cwd=REPO,
         env={**os.environ, "UCX_NET_DEVICES": "lo"},
         capture_output=True,

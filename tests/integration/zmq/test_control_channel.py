@@ -476,7 +476,7 @@ def test_forget_during_a_request_closes_its_socket_when_the_request_ends(channel
 
 @pytest.mark.multiprocess
 def test_the_round_trip_benchmark_runs_and_reports_every_case(capsys):
-    from kvcr.adapters.zmq import bench
+    from kvcr.bench import zmq_adapter as bench
 
     bench.main(["--requests", "50", "--cold", "10", "--json"])
     report = json.loads(capsys.readouterr().out)

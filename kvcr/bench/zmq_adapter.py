@@ -1,6 +1,6 @@
 """Control round trip benchmark: a LEASE-sized request/reply over loopback, plaintext vs CURVE.
 
-    python -m kvcr.adapters.zmq.bench [--requests 5000] [--request-bytes 200] [--reply-bytes 2048]
+    python -m kvcr.bench.zmq_adapter [--requests 5000] [--request-bytes 200] [--reply-bytes 2048]
 
 The server is a ``ZmqControlChannel`` in another process (so the two sides do not share a GIL)
 answering every request with ``reply-bytes`` bytes; there are two, one plaintext and one keyed
@@ -54,7 +54,7 @@ def _free_port() -> int:
 
 
 def _start_server(token_file: str | None, reply_bytes: int) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "kvcr.adapters.zmq.bench", "--serve", str(_free_port())]
+    cmd = [sys.executable, "-m", "kvcr.bench.zmq_adapter", "--serve", str(_free_port())]
     cmd += ["--reply-bytes", str(reply_bytes)]
     if token_file:
         cmd += ["--token-file", token_file]
@@ -160,7 +160,7 @@ def _table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvcr.adapters.zmq.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvcr.bench.zmq_adapter", description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=5000, help="timed requests per warm case")
     parser.add_argument("--cold", type=int, default=200, help="timed requests per cold (new connection) case")
     parser.add_argument("--request-bytes", type=int, default=200)

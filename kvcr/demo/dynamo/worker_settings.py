@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvcr.domain.endpoints import WILDCARD_HOSTS
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.units import parse_byte_size
 from kvcr.integrations.shared.host import available_memory_bytes
@@ -126,7 +127,7 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerSettings:
     for option, delay in (("--token-delay-ms", args.token_delay_ms), ("--queue-delay-ms", args.queue_delay_ms)):
         if not 0 <= delay <= 60_000:
             raise ConfigError(f"{option} must be in 0..60000, got {delay}")
-    if args.host in ("", "*", "0.0.0.0", "::"):
+    if not args.host or args.host in WILDCARD_HOSTS:
         raise ConfigError(f"--host must be an address peers can dial, got {args.host!r}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")

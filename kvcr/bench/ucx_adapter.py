@@ -1,6 +1,6 @@
 """The UCX data plane against a memmove and a raw NIXL READ of the same pieces, in one run.
 
-    python -m kvcr.adapters.ucx.bench [--pieces 64K,2M] [--batches 32,128] [--reps 10]
+    python -m kvcr.bench.ucx_adapter [--pieces 64K,2M] [--batches 32,128] [--reps 10]
         [--modes peer,none] [--idle-s 20] [--netns] [--json PATH]
 
 A source process holds ``batch`` pages of random bytes, registered with one UCX data plane per
@@ -149,7 +149,7 @@ def _say(obj: dict[str, Any]) -> None:
 
 class _Source:
     def __init__(self, spec: dict[str, Any], env: dict[str, str], netns: str | None) -> None:
-        command = [sys.executable, "-m", "kvcr.adapters.ucx.bench", "--source", json.dumps(spec)]
+        command = [sys.executable, "-m", "kvcr.bench.ucx_adapter", "--source", json.dumps(spec)]
         if netns:
             command = ["ip", "netns", "exec", netns, *command]
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
         log = os.path.join(tempfile.mkdtemp(prefix="kvcr-ucx-bench-"), "target.log")
         env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_FILE": log}
         with _namespaces():
-            command = ["ip", "netns", "exec", _NS[1], sys.executable, "-m", "kvcr.adapters.ucx.bench"]
+            command = ["ip", "netns", "exec", _NS[1], sys.executable, "-m", "kvcr.bench.ucx_adapter"]
             sys.exit(subprocess.run([*command, *rest, "--inside-netns"], env=env).returncode)
     rows, notes = run(
         [_size(p) for p in args.pieces.split(",")],

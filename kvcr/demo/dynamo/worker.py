@@ -1,4 +1,4 @@
-"""The kvcr Dynamo worker: ``python -m kvcr.integrations.dynamo.worker`` (also ``kvcr worker``).
+"""The kvcr Dynamo worker: ``python -m kvcr.demo.dynamo.worker`` (also ``kvcr worker``).
 
 Built on Dynamo's own Python backend API (``dynamo.common.backend``): Dynamo's Rust ``Worker``
 registers the model, serves the ``generate`` endpoint on the tcp request plane and relays KV
@@ -37,38 +37,16 @@ from dynamo.common.backend import EngineConfig, GenerateChunk, GenerateRequest, 
 from dynamo.common.backend.publisher import KvEventSource, ZmqSource
 from dynamo.common.backend.worker import WorkerConfig
 
+from kvcr.demo.dynamo.worker_settings import WorkerSettings, parse_worker_args
 from kvcr.domain.errors import ConfigError
-from kvcr.integrations.dynamo.capability import (
-    ROUTER_HINT,
-    ROUTER_HINT_SOURCE_CONTROL_ENDPOINTS,
-    ROUTER_HINT_WORKER_TYPE,
-    check_control_endpoints,
-    check_worker_type,
-)
+from kvcr.integrations.dynamo.capability import hint_capability
 from kvcr.integrations.dynamo.forwarding import kv_hints_from_request
-from kvcr.integrations.dynamo.worker_settings import WorkerSettings, parse_worker_args
 
 log = logging.getLogger(__name__)
 
 KV_EVENTS_TOPIC = "kv-events"
 FIRST_OUTPUT_TOKEN = 3  # the fixed stream cycles through ids 3.. (past bos/eos/unk of a small vocabulary)
 CLEAR_CONTROL = "clear_kvcr"
-
-
-def hint_capability(control_endpoint: str, worker_type: str = "aggregated") -> dict[str, Any]:
-    """The three capability entries of ``EngineConfig.runtime_data``, ``router_hint`` last.
-
-    Dynamo publishes ``runtime_data`` as one record, so the router never sees a partial set.
-
-    Raises:
-        ConfigError: the endpoint is not dialable or the worker type unknown.
-    """
-    endpoints = check_control_endpoints({0: control_endpoint})
-    return {
-        ROUTER_HINT_SOURCE_CONTROL_ENDPOINTS: {"0": endpoints[0]},
-        ROUTER_HINT_WORKER_TYPE: check_worker_type(worker_type),
-        ROUTER_HINT: True,
-    }
 
 
 class _Report:
@@ -118,7 +96,7 @@ class KvcrWorker(LLMEngine):
         return cls(settings), config
 
     async def start(self, worker_id: int) -> EngineConfig:
-        from kvcr.integrations.dynamo.worker_model import StandInModel, prepare_sglang
+        from kvcr.demo.dynamo.worker_model import StandInModel, prepare_sglang
 
         s = self.settings
         capability = hint_capability(s.control_endpoint) if s.hint_capability else None

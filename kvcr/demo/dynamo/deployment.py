@@ -31,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from kvcr.integrations.dynamo.tiny_model import write_tiny_model
+from kvcr.demo.dynamo.tiny_model import write_tiny_model
 
 LOOPBACK = "127.0.0.1"
 _HOST_VARS = (
@@ -189,7 +189,7 @@ class Deployment:
         report = self.workdir / f"{spec.name}.jsonl"
         args = [
             "-m",
-            "kvcr.integrations.dynamo.worker",
+            "kvcr.demo.dynamo.worker",
             "--model",
             self.model,
             "--name",

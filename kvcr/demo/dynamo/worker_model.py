@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from queue import Empty
 from typing import Any
 
+from kvcr.demo.dynamo.worker_settings import WorkerSettings
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.keys import page_hashes
-from kvcr.integrations.dynamo.worker_settings import WorkerSettings
 from kvcr.integrations.shared import hints_bridge
 from kvcr.integrations.shared.page_tokens import default_registry
 

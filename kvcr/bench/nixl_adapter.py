@@ -1,6 +1,6 @@
 """Cost of the NIXL adapter: raw NIXL READs vs NixlDataPlane.read+poll vs memcpy, same run, same bytes.
 
-    python -m kvcr.adapters.nixl.bench [--processes 1|2] [--pieces 64K,2M,8M] [--batches 32,128] [--idle-s 10]
+    python -m kvcr.bench.nixl_adapter [--processes 1|2] [--pieces 64K,2M,8M] [--batches 32,128] [--idle-s 10]
 
 For each page size x batch, a source data plane holds ``batch`` pages (random bytes) and the
 target reads all of them into ``batch`` host pages, in random order on both sides (so nothing
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvcr.adapters.nixl.dataplane import NixlDataPlane
+from kvcr.adapters.nixl import NixlDataPlane, described_peer
 from kvcr.domain.layout import PieceRun, RegionDescriptor, slot_runs
 from kvcr.ports.dataplane import TransferState
 
@@ -170,8 +170,9 @@ def run(
             for batch in batches:
                 rng = np.random.default_rng(piece + batch)
                 description = setup(piece, batch, piece ^ batch)
-                fields = _fields(description)
-                src_id, base = fields["regions"][0][:2]
+                described = described_peer(description)
+                src_id, first = next(iter(described.regions.items()))
+                base = first.base
                 dst = np.zeros(piece * batch, dtype=np.uint8)
                 dst_region = RegionDescriptor("host", dst.ctypes.data, piece, batch, piece)
                 memcpy_src = np.ones(piece * batch, dtype=np.uint8)
@@ -182,7 +183,7 @@ def run(
                 runs = [PieceRun(src_id, s, dst_id, d, n) for s, d, n in slot_runs(pairs)]
                 # Raw NIXL, same descriptors.
                 registration = raw.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
-                raw_peer = raw.add_remote_agent(fields["metadata"])
+                raw_peer = raw.add_remote_agent(described.metadata)
                 raw_peer = raw_peer.decode() if isinstance(raw_peer, bytes) else str(raw_peer)
                 remote = raw.prep_xfer_dlist(raw_peer, np.array([[base, piece, 0, piece, batch]], np.uint64), "DRAM")
                 local = raw.prep_xfer_dlist(
@@ -261,13 +262,6 @@ def run(
         elif local_source is not None:
             local_source.close()
     return rows
-
-
-def _fields(description: bytes) -> dict[str, Any]:
-    import msgspec
-
-    decoded: dict[str, Any] = msgspec.msgpack.decode(description)
-    return decoded
 
 
 def _check(dst: Any, src: Any, slots: Any, places: Any, piece: int) -> None:
