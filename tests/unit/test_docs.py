@@ -64,7 +64,7 @@ def extra_configs() -> list[tuple[Command, str]]:
 def check_kvcr_command(args: tuple[str, ...]) -> None:
     """Parse as ``kvcr`` would; SystemExit (argparse's refusal) is what an operator would see."""
     if args[:1] == ("worker",):
-        from kvcr.integrations.dynamo.worker_settings import build_parser as worker_parser
+        from kvcr.demo.dynamo.worker_settings import build_parser as worker_parser
 
         worker_parser().parse_args(list(args[1:]))
     else:
