@@ -6,20 +6,22 @@ the hint capability and forwards the router's hints. The frontend is ``python -m
 --router-mode kv --discovery-backend file``; both run on loopback, on the CPU with kvcr's engine
 shims (``docs/engine-on-cpu.md``), with the Qwen3.5 op placeholders Dynamo's imports need.
 
-Not covered here: a hinted request restored from the peer. In the tries so far (a busy request on
-A's prefix, pinned or routed, overlap weight 1 or 0.05) the router booked A again every time, so no
-hint was attached; the in-process flow (tests/integration/dynamo/test_dynamo_sglang_host.py) shows
-a router ``kv_hint`` reaching SGLang as ``kv_hints``, and tests/engine/test_real_server.py the
-restore over NIXL that such a hint drives.
+How a prefix reaches B honestly: its first request is pinned to A (``nvext.backend_instance_id``,
+no router selection, so no hint); then requests that share it and add long suffixes of their own
+are routed by the router's cost model alone. Once A carries their load, one is booked on B, which
+never saw the prefix, with the router's hint naming A; B's prefill then reports the prefix as
+cached (SGLang's ``#cached-token``), which only a restore from A's kvcr DRAM can give it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -190,3 +192,35 @@ def test_requests_through_the_frontend_are_served_with_the_hooks_installed(deplo
     for _ in range(2):
         answer = http(f"{deployment['url']}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2})
         assert answer["choices"][0]["finish_reason"] == "length"
+
+
+def cached_tokens(node: Node) -> list[int]:
+    """SGLang's ``#cached-token`` of each prefill batch in a worker's log."""
+    return [int(n) for n in re.findall(r"#cached-token: (\d+)", node.text())]
+
+
+def test_a_hinted_request_restores_the_prefix_from_the_peer(deployment):
+    url, published = deployment["url"], registrations(deployment["discovery"])
+    by_port = {d["router_hint_source_control_endpoints"]["0"]: i for i, d in published.items()}
+    a_id = by_port[f"tcp://127.0.0.1:{deployment['controls']['a']}"]
+    a, b = deployment["nodes"]["a"], deployment["nodes"]["b"]
+    prompt = " ".join(word(t - token_id(0)) for t in prompt_ids(PROMPT_TOKENS, seed=9))
+    http(
+        f"{url}/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 2, "nvext": {"backend_instance_id": a_id}},
+    )
+    seen_by_b = len(cached_tokens(b))
+    time.sleep(1)  # A's KV events reach the router
+    threads = []
+    for k in range(3):
+        suffix = " ".join(word(t - token_id(0)) for t in prompt_ids(300, seed=100 + k))
+        body = {"model": "tiny", "prompt": f"{prompt} {suffix}", "max_tokens": 40}
+        thread = threading.Thread(target=http, args=(f"{url}/v1/completions", body), daemon=True)
+        thread.start()
+        threads.append(thread)
+        time.sleep(0.4)
+    for thread in threads:
+        thread.join(90)
+    on_b = cached_tokens(b)[seen_by_b:]
+    assert on_b, f"the router never booked B:\n{a.text()[-1500:]}"
+    assert max(on_b) >= PROMPT_TOKENS - PAGE_SIZE, b.text()[-3000:]  # B never computed the prefix
