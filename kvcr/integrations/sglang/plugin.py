@@ -20,6 +20,11 @@ which runs on the backup thread right before the KV pages go to ``batch_set_v1``
 this rank really backs KV up (``HybridCacheController`` reaches it through ``super()``). It
 records each page's tokens under ``operation.hash_value``, the keys storage receives. It does
 nothing unless a kvcr backend in this process publishes KV events, and it never raises.
+
+In a ``python -m dynamo.sglang`` process (Dynamo's SGLang worker builds ``sgl.Engine`` in-process,
+and the engine loads plugins there), :func:`load` also installs ``shared.dynamo_sglang``: the
+router hint capability on the worker's registration and ``kv_hints`` forwarding on its request
+handlers, both only when the engine's L3 is kvcr with ``enable_remote_hint``.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvcr.integrations.shared import hints_bridge
+from kvcr.integrations.shared import dynamo_sglang, hints_bridge
 from kvcr.integrations.shared.page_tokens import default_registry
 
 log = logging.getLogger(__name__)
@@ -122,6 +127,13 @@ def _builtins(hints: Any) -> Any:
     return msgspec.to_builtins(hints)
 
 
+def _install_dynamo_host_hooks() -> None:
+    try:
+        dynamo_sglang.install()
+    except Exception:  # Dynamo's worker must start whatever its code looks like
+        log.warning("kvcr: could not hook dynamo.sglang; it publishes no hint capability", exc_info=True)
+
+
 def load() -> None:
     """Register the hooks (idempotent); SGLang applies them right after loading plugins."""
     global _loaded
@@ -146,4 +158,5 @@ def load() -> None:
     HookRegistry.register(_REVOKE, _finish_revoked, HookType.AFTER)
     HookRegistry.register(_BACKUP, _capture_backup_tokens, HookType.AROUND)
     _loaded = True
+    _install_dynamo_host_hooks()
     log.info("kvcr: request hints are forwarded to the HiCache storage backend; backed-up page tokens are captured")

@@ -115,6 +115,47 @@ def _read_controls(module: types.ModuleType) -> None:
     cls._page_get_zero_copy = _page_get_zero_copy
 
 
+# Names SGLang probes with hasattr(torch.ops.sgl_kernel, ...) to choose a CPU kernel: they must stay
+# missing, or SGLang would pick kernels that do not exist here.
+_PROBED_OPS = frozenset(
+    {
+        "convert_weight_packed",
+        "fused_qk_norm_cpu",
+        "fused_qk_norm_rope_cpu",
+        "gdn_attention",
+        "get_device_accessible_ptr",
+        "shm_group_initialize",
+    }
+)
+
+
+def _cpu_op_placeholders(module: types.ModuleType) -> None:
+    """``torch.ops.sgl_kernel.<name>_cpu`` read at import gives a function that raises when called.
+
+    Only with ``KVCR_ENGINE_CPU_OP_PLACEHOLDERS=1`` (the ``dynamo.sglang`` harness sets it): Dynamo's
+    worker imports SGLang's Qwen3.5 model (``srt/models/qwen3_5.py:284``, ``:292``, ...), which binds
+    ``sgl_kernel`` CPU ops at import. Only ``*_cpu`` names outside the probed set get one (other
+    probes, such as ``register_fake_if_exists`` for GPU ops, must keep failing), and only while
+    torch sees no CUDA device. The tiny Llama never calls them.
+    """
+    namespace = module._OpNamespace
+    original = namespace.__getattr__
+
+    def __getattr__(self: Any, name: str) -> Any:
+        try:
+            return original(self, name)
+        except AttributeError:
+            if self.name != "sgl_kernel" or not name.endswith("_cpu") or name in _PROBED_OPS or not _no_accelerator():
+                raise
+
+            def placeholder(*args: Any, **kwargs: Any) -> Any:
+                raise NotImplementedError(f"torch.ops.sgl_kernel.{name} is a placeholder of kvcr's CPU shims")
+
+            return placeholder
+
+    namespace.__getattr__ = __getattr__
+
+
 _PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
     "sglang.srt.mem_cache.pool_host.base": _unpinned_host_pools,
     "sglang.srt.mem_cache.pool_host.mha": _direct_io,
@@ -152,6 +193,9 @@ class _PatchingFinder(importlib.abc.MetaPathFinder):
                 return spec
         return None
 
+
+if os.environ.get("KVCR_ENGINE_CPU_OP_PLACEHOLDERS") == "1":
+    _PATCHES["torch._ops"] = _cpu_op_placeholders
 
 if not any(isinstance(finder, _PatchingFinder) for finder in sys.meta_path):
     sys.meta_path.insert(0, _PatchingFinder())
