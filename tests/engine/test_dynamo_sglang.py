@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvcr.integrations.dynamo.deployment import _HOST_VARS, LOOPBACK, free_port, free_system_port
 
+from kvcr.demo.dynamo.deployment import _HOST_VARS, LOOPBACK, free_port, free_system_port
 from kvcr.testing.engine import (
     PAGE_SIZE,
     REPO,
