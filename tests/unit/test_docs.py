@@ -21,6 +21,7 @@ import pytest
 from kvcr.cli import build_parser
 from kvcr.domain.errors import KvcrError
 from kvcr.integrations.shared.settings import _TYPES, SGLANG_KEYS, parse_settings
+from kvcr.runner.node import NodeSettings
 from kvcr.testing.docs import (
     Command,
     commands,
@@ -78,7 +79,15 @@ def check_extra_config(text: str, token_file: Path) -> None:
         data["auth_token_file"] = str(token_file)  # the doc's path, stood in for by a real token
     if not data.get("interface_v1"):
         raise KvcrError("no interface_v1: the backend refuses to start")
-    parse_settings(data).token()
+    settings = parse_settings(data)
+    if settings.control_port:  # the node's own start-up rules (a non-loopback bind needs the token, ...)
+        NodeSettings(
+            settings.control_host,
+            settings.control_port,
+            advertise_host=settings.control_advertise_host,
+            token=settings.token(),
+            allow_unauthenticated=settings.allow_unauthenticated,
+        )
 
 
 @pytest.fixture
