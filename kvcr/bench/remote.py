@@ -346,15 +346,17 @@ class RawControl:
         self._context.term()
 
 
-def _warm_up(call: Callable[[], None], attempts: int = 5) -> None:
+def _warm_up(call: Callable[[], None], budget_s: float = 5.0) -> None:
     """Run ``call`` once unmeasured. A node's first contact with a peer may be a miss (over tcp its
-    link can still be wiring up): it is tried again, a few times, 0.2 s apart; measured calls must all succeed."""
-    for attempt in range(attempts):
+    link can still be wiring up, slower on a loaded machine): it is tried again, 0.2 s apart, for up
+    to ``budget_s``; measured calls must all succeed."""
+    give_up = time.monotonic() + budget_s
+    while True:
         try:
             call()
             return
         except RuntimeError:
-            if attempt == attempts - 1:
+            if time.monotonic() >= give_up:
                 raise
             time.sleep(0.2)
 
