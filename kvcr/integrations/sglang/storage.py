@@ -194,7 +194,7 @@ class KvcrHiCacheStorage(HiCacheStorage):
         )
         metrics = started.metrics
         metrics.increment(MetricName.LOOKUP_PAGES, verdict.pages, {"result": Lookup.HIT})
-        metrics.increment(MetricName.LOOKUP_PAGES, len(keys) - verdict.pages, {"result": Lookup.MISS})
+        metrics.increment(MetricName.LOOKUP_PAGES, max(0, len(keys) - verdict.pages), {"result": Lookup.MISS})
         return verdict
 
     def _shape(self, pool: str, policy: HitPolicy, window: int) -> PoolPresence:
