@@ -136,7 +136,8 @@ log "resolved packages"
     ai-dynamo-runtime setuptools \
     msgpack dependency-injector \
     xxhash prometheus-client matplotlib build \
-    pytest pytest-mock pytest-timeout hypothesis ruff mypy import-linter mutmut
+    pytest pytest-mock pytest-timeout hypothesis ruff mypy import-linter mutmut \
+    httpx2  # starlette's TestClient (scrapes SGLang's /metrics app); plain httpx there is deprecated
 
 # 3b. Dynamo's Python package, --no-deps: it requires aisimulate, whose sdist downloads a wheel from
 #     outside the package index (only Dynamo's planner imports it). Then what the frontend, the
