@@ -1,9 +1,10 @@
 """The kvcr runner: a DRAM tier per pool, its key index, and local backup / restore.
 
-The runner owns one arena per physical pool and an index from page hash to slot. Metadata
-changes happen under one lock; bytes move outside it, protected by slot state: a slot being
-filled is FILLING (invisible to readers, never evicted), a slot being read is claimed (never
-evicted or reused). Memory and peers are reached only through ports.
+The runner is the service layer over two pieces of bookkeeping: one slot index per physical pool
+(``index.py``: slot states, claims, eviction, prefix alignment) and the lease table of what peers
+hold (``leases.py``). It owns the lock around them, the arenas, the copies (outside the lock,
+protected by slot state: a slot being filled is FILLING, a slot being read is claimed), the
+counting and the inventory events. Memory and peers are reached only through ports.
 
 Per page, a backup is all-or-nothing: a page becomes READY only after every component's piece
 was copied; a failed copy frees the page's slot and reports it unstored. With ``verify_bytes`` a
@@ -18,19 +19,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvcr.domain.errors import ClosedError, ConfigError, DeadlineExceeded, KvcrError, LayoutError
-from kvcr.domain.eviction import POLICIES, EvictionPolicy
-from kvcr.domain.keys import check_page_hash, check_page_hashes
+from kvcr.domain.eviction import POLICIES
+from kvcr.domain.keys import check_page_hash
 from kvcr.domain.layout import RegionDescriptor, check_disjoint, slot_runs
 from kvcr.domain.outcomes import RESTORED, PageOutcome, failed, miss
 from kvcr.domain.pools import PoolSpec
-from kvcr.domain.residency import Lease, SlotState, check_transition
+from kvcr.domain.residency import SlotState
 from kvcr.ports.clock import Clock
 from kvcr.ports.errors import MemoryCopyError, RegistrationError
 from kvcr.ports.inventory import InventoryEvent, InventoryKind, InventorySink
@@ -40,59 +40,27 @@ from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metrics import Metrics
 from kvcr.runner.arena import Arena, host_label
 from kvcr.runner.config import RunnerConfig
-from kvcr.runner.quota import PeerQuota
+from kvcr.runner.index import Entry, Fill, SlotIndex
+from kvcr.runner.leases import HeldLease, LeaseTable
 
 log = logging.getLogger(__name__)
 
 _READY = SlotState.READY
-_FILLING = SlotState.FILLING
-_DISCARDING = SlotState.DISCARDING
-_FREE = SlotState.FREE
 _NOT_HELD = miss("not held")
 _CORRUPT = failed("bytes differ from their backup digest")
 
 
-class _Entry:
-    """One resident (or arriving) page of one pool."""
-
-    __slots__ = ("claims", "digest", "leased", "parent", "slot", "state")
-
-    def __init__(self, slot: int, parent: str | None) -> None:
-        self.slot = slot
-        self.state = _FILLING  # a new entry is being filled: invisible to readers, never evicted
-        self.claims = 0
-        self.leased = 0  # the claims that are peers' leases
-        self.parent = parent
-        self.digest = b""
-
-
 class _Pool:
-    """A pool's arena, host regions, index, eviction order and namespace."""
+    """A pool's arena, host regions, slot index and namespace (a logical pool has no arena and no slots)."""
 
-    __slots__ = (
-        "arena",
-        "detached",
-        "entries",
-        "host",
-        "lease_cap",
-        "leased",
-        "namespace",
-        "peer_cap",
-        "policy",
-        "spec",
-    )
+    __slots__ = ("arena", "host", "index", "namespace", "spec")
 
-    def __init__(self, spec: PoolSpec, arena: Arena | None, policy: EvictionPolicy, namespace: str) -> None:
+    def __init__(self, spec: PoolSpec, arena: Arena | None, index: SlotIndex, namespace: str) -> None:
         self.spec = spec
         self.arena = arena
         self.host: tuple[RegionDescriptor, ...] | None = None
-        self.entries: dict[str, _Entry] = {}
-        self.policy = policy
+        self.index = index
         self.namespace = namespace
-        self.detached = 0  # DISCARDING pages already dropped from the index, still owning a slot
-        self.leased = 0  # pages held by at least one peer lease
-        self.lease_cap = 0
-        self.peer_cap = 0  # pages one holder (peer) may pin
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,13 +102,6 @@ class LeaseGrant:
     over_quota: int = 0
 
 
-@dataclass
-class _HeldLease:
-    lease: Lease
-    claims: list[tuple[_Pool, _Entry]]
-    holder: int = 0
-
-
 _MISSING_SLOT = -1
 
 
@@ -177,25 +138,30 @@ class KvcrRunner:
         self._quiet = threading.Condition(self._lock)
         self._inflight = 0
         self._closed = False
-        self._leasing = True
-        self._leases: dict[int, _HeldLease] = {}
-        self._quota = PeerQuota(config.max_peer_leases)
-        policy_type = POLICIES[config.policy]
+        self._leases = LeaseTable(config.max_peer_leases)
         slots = config.slots_per_pool()
         self._pools: dict[str, _Pool] = {}
         try:
             for spec in config.pools:
                 arena = self._arena(spec, slots[spec.name]) if spec.physical else None
-                state = _Pool(spec, arena, policy_type(), self.namespaces.get(spec.name, ""))
-                if arena is not None:
-                    state.lease_cap = max(1, int(arena.slots * config.max_leased_fraction))
-                    state.peer_cap = max(1, int(state.lease_cap * config.max_peer_leased_fraction))
-                self._pools[spec.name] = state
+                self._pools[spec.name] = _Pool(spec, arena, self._index(arena), self.namespaces.get(spec.name, ""))
         except BaseException:
             self._release_arenas()
             raise
         check_disjoint([r for p in self._pools.values() if p.arena for r in p.arena.regions])
         self._gauges()
+
+    def _index(self, arena: Arena | None) -> SlotIndex:
+        config = self.config
+        slots = arena.slots if arena is not None else 0
+        lease_cap = max(1, int(slots * config.max_leased_fraction)) if slots else 0
+        return SlotIndex(
+            slots,
+            POLICIES[config.policy],
+            max_alignment_depth=config.max_alignment_depth,
+            lease_cap=lease_cap,
+            peer_cap=max(1, int(lease_cap * config.max_peer_leased_fraction)) if slots else 0,
+        )
 
     def _arena(self, spec: PoolSpec, slots: int) -> Arena:
         try:
@@ -321,46 +287,16 @@ class KvcrRunner:
         self,
         state: _Pool,
         page_hashes: Sequence[str],
-        plan: Callable[[list[tuple[int, _Entry]]], list[Move]],
+        plan: Callable[[list[tuple[int, Entry]]], list[Move]],
         parent: str | None,
     ) -> list[bool]:
         if parent is not None:
             check_page_hash(parent)
         deadline = self._clock.now() + self.config.timing.operation_s
-        results = [False] * len(page_hashes)
-        fills: list[tuple[int, str, _Entry]] = []
         with self._locked(deadline):
             self._check_open()
-            entries = state.entries
-            needed: list[int] = []
-            held: list[str] = []
-            known = [entries.get(page) for page in page_hashes]
-            if not any(known) and len(set(page_hashes)) == len(page_hashes):
-                check_page_hashes(page_hashes)  # the common batch: all new, no repeats
-                needed = list(range(len(page_hashes)))
-            else:
-                pending: set[str] = set()
-                for i, page in enumerate(page_hashes):
-                    entry = known[i]
-                    if entry is not None:
-                        results[i] = True  # READY, or FILLING by a caller storing the same bytes
-                        if entry.state is _READY:
-                            held.append(page)
-                    elif page not in pending:
-                        check_page_hash(page)  # keys already in the index were checked on the way in
-                        pending.add(page)
-                        needed.append(i)
-            # Refresh the prefix this batch extends before choosing victims, so a deeper batch
-            # never evicts the ancestors that make it restorable.
-            lineage = self._ancestors(state, parent)
-            if lineage or held:
-                state.policy.touch([*lineage, *held])
-            slots = self._reserve(state, len(needed), protect=[*lineage, *page_hashes]) if needed else []
-            for i, slot in zip(needed, slots, strict=False):
-                page = page_hashes[i]
-                entry = _Entry(slot, page_hashes[i - 1] if i else parent)
-                entries[page] = entry
-                fills.append((i, page, entry))
+            results, fills, evicted = state.index.begin_fills(page_hashes, parent, self._expire_now)
+            self._evicted(state, evicted)
             self._inflight += 1
         copied = False
         try:
@@ -378,7 +314,7 @@ class KvcrRunner:
                 self._quiet.notify_all()
         return results
 
-    def _seal(self, state: _Pool, fills: list[tuple[int, str, _Entry]]) -> None:
+    def _seal(self, state: _Pool, fills: list[Fill]) -> None:
         """Digest every freshly copied page from kvcr's own copy (FILLING: nobody else reads it yet)."""
         arena = state.arena
         assert arena is not None
@@ -393,16 +329,7 @@ class KvcrRunner:
         state = self._physical(pool)
         with self._lock:
             self._check_open()
-            entries = state.entries
-            present = []
-            for page in page_hashes:
-                entry = entries.get(page)
-                if entry is None:
-                    check_page_hash(page)  # a malformed key is an error, not a miss
-                    present.append(False)
-                else:
-                    present.append(entry.state is _READY)
-        return present
+            return state.index.present(page_hashes)
 
     def query(self, pool: str, page_hashes: Sequence[str]) -> QueryResult:
         """Per-key presence plus the leading prefix of present pages."""
@@ -461,37 +388,16 @@ class KvcrRunner:
         self,
         state: _Pool,
         page_hashes: Sequence[str],
-        plan: Callable[[list[tuple[int, _Entry]]], list[Move]],
+        plan: Callable[[list[tuple[int, Entry]]], list[Move]],
         delivered: Callable[[int], Sequence[tuple[int, int]]],
         prefix_only: bool,
     ) -> list[PageOutcome]:
         started = self._clock.now()
         deadline = started + self.config.timing.operation_s
         outcomes: list[PageOutcome] = [_NOT_HELD] * len(page_hashes)
-        claimed: list[tuple[int, _Entry]] = []
         with self._locked(deadline):
             self._check_open()
-            entries = state.entries
-            known = [entries.get(page) for page in page_hashes]
-            hits: Sequence[str]
-            if all(entry is not None and entry.state is _READY for entry in known):
-                claimed = list(enumerate(known))  # type: ignore[arg-type]  # the common batch: all held
-                hits = page_hashes
-            else:
-                hits = []
-                for i, entry in enumerate(known):
-                    if entry is None or entry.state is not _READY:
-                        if entry is None:
-                            check_page_hash(page_hashes[i])
-                        if prefix_only:
-                            break
-                        continue
-                    claimed.append((i, entry))
-                    hits.append(page_hashes[i])
-            for _, entry in claimed:
-                entry.claims += 1
-            if hits:
-                state.policy.touch(self._aligned(state, list(hits)))
+            claimed = state.index.claim_ready(page_hashes, prefix_only=prefix_only)
             self._inflight += 1
         copied = False
         corrupt: list[int] = []
@@ -507,13 +413,16 @@ class KvcrRunner:
             with self._lock:
                 outcome = RESTORED if copied else failed("local copy failed")
                 bad = set(corrupt)
+                index = state.index
                 for i, entry in claimed:
-                    entry.claims -= 1
                     outcomes[i] = _CORRUPT if i in bad else outcome
                     if i in bad:
-                        self._discard(state, page_hashes[i], entry)
-                    elif entry.claims == 0 and entry.state is _DISCARDING:
-                        self._free_slot(state, entry)
+                        if index.discard(page_hashes[i], entry):
+                            self._inventory.publish(
+                                InventoryEvent(InventoryKind.REMOVED, state.spec.name, (page_hashes[i],))
+                            )
+                    else:
+                        index.unclaim(entry)
                 self._inflight -= 1
                 self._quiet.notify_all()
         self._count(
@@ -540,24 +449,12 @@ class KvcrRunner:
         self,
         state: _Pool,
         page_hashes: Sequence[str],
-        claimed: list[tuple[int, _Entry]],
+        claimed: list[tuple[int, Entry]],
         delivered: Callable[[int], Sequence[tuple[int, int]]],
     ) -> list[int]:
         """Positions of claimed pages whose delivered bytes do not match their backup digest."""
         digest = self._memory.digest
         return [i for i, entry in claimed if digest(delivered(i), _seed(state, page_hashes[i])) != entry.digest]
-
-    def _discard(self, state: _Pool, page_hash: str, entry: _Entry) -> None:
-        """Drop a page whose bytes can no longer be trusted (caller holds the lock)."""
-        if state.entries.get(page_hash) is entry:
-            del state.entries[page_hash]
-            state.policy.remove(page_hash)
-            self._inventory.publish(InventoryEvent(InventoryKind.REMOVED, state.spec.name, (page_hash,)))
-        if entry.claims == 0:  # the last reader: free the slot, also when an earlier reader marked it DISCARDING
-            self._free_slot(state, entry)
-        elif entry.state is not _DISCARDING:
-            entry.state = check_transition(entry.state, _DISCARDING)
-            state.detached += 1
 
     def lease(self, requests: Sequence[tuple[str, Sequence[str]]], duration_s: float, *, holder: int = 0) -> LeaseGrant:
         """Hold READY pages for a peer until the lease expires on our clock or is released.
@@ -571,10 +468,11 @@ class KvcrRunner:
         duration = min(max(duration_s, 0.0), self.config.timing.lease_s)
         slots: list[tuple[int, ...]] = []
         digests: list[tuple[bytes, ...]] = []
-        claims: list[tuple[_Pool, _Entry]] = []
+        claims: list[tuple[str, Entry]] = []
         served = 0  # bytes granted: page_bytes is a sum over components, taken once per pool
         over_quota = 0
-        quota = self._quota
+        leases = self._leases
+        quota = leases.quota
         with self._lock:
             self._check_open()
             now = self._clock.now()
@@ -582,43 +480,36 @@ class KvcrRunner:
             may_lease = quota.may_lease(holder)
             for pool, pages in requests:
                 state = self._pools.get(pool)
-                if state is None or state.arena is None or not self._leasing or not may_lease:
+                if state is None or state.arena is None or not leases.leasing or not may_lease:
                     over_quota += 0 if may_lease else len(pages)
                     slots.append((_MISSING_SLOT,) * len(pages))
                     digests.append((b"",) * len(pages))
                     continue
-                entries = state.entries
+                index = state.index
+                entries = index.entries
                 pool_slots: list[int] = []
                 pool_digests: list[bytes] = []
                 claimed = len(claims)
                 for page in pages:
                     entry = entries.get(page) if isinstance(page, str) else None
-                    capped = entry is not None and not entry.leased and state.leased >= state.lease_cap
-                    if entry is None or entry.state is not _READY or capped:
+                    if entry is None or entry.state is not _READY or index.lease_capped(entry):
                         pool_slots.append(_MISSING_SLOT)
                         pool_digests.append(b"")
                         continue
-                    if not quota.may_pin(holder, pool, entry, state.peer_cap):
+                    if not quota.may_pin(holder, pool, entry, index.peer_cap):
                         over_quota += 1
                         pool_slots.append(_MISSING_SLOT)
                         pool_digests.append(b"")
                         continue
                     quota.pin(holder, pool, entry)
-                    if not entry.leased:
-                        state.leased += 1
-                    entry.claims += 1
-                    entry.leased += 1
-                    claims.append((state, entry))
+                    index.pin(entry)
+                    claims.append((pool, entry))
                     pool_slots.append(entry.slot)
                     pool_digests.append(entry.digest)
                 slots.append(tuple(pool_slots))
                 digests.append(tuple(pool_digests))
                 served += (len(claims) - claimed) * state.spec.page_bytes
-            lease_id = 0
-            if claims:
-                lease_id = self._new_lease_id()
-                self._leases[lease_id] = _HeldLease(Lease(lease_id, (), now, now + duration), claims, holder)
-                quota.add_lease(holder)
+            lease_id = leases.grant(claims, holder, now, duration) if claims else 0
         self._metrics.increment(M.PAGES, len(claims), {"path": Path.SERVED, "outcome": Result.OK})
         self._metrics.increment(M.BYTES, served, {"path": Path.SERVED, "outcome": Result.OK})
         self._leases_gauge()
@@ -632,14 +523,14 @@ class KvcrRunner:
             if held is None:
                 return None
             slots: dict[str, set[int]] = {}
-            for state, entry in held.claims:
-                slots.setdefault(state.spec.name, set()).add(entry.slot)
+            for pool, entry in held.claims:
+                slots.setdefault(pool, set()).add(entry.slot)
             return slots
 
     def stop_leasing(self) -> None:
         """Grant nothing from now on (shutdown); releases and expiry keep working."""
         with self._lock:
-            self._leasing = False
+            self._leases.leasing = False
 
     def wait_for_leases(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` (real time) for peers to release or let expire every lease; returns those left."""
@@ -654,7 +545,7 @@ class KvcrRunner:
     def release_lease(self, lease_id: int) -> bool:
         """End a lease early; False when it is unknown (released, expired or never granted)."""
         with self._lock:
-            held = self._leases.pop(lease_id, None)
+            held = self._leases.release(lease_id)
             if held is None:
                 return False
             self._drop_claims(held)
@@ -677,14 +568,7 @@ class KvcrRunner:
         with self._lock:
             self._check_open()
             for state in self._pools.values():
-                for entry in state.entries.values():
-                    if entry.state is _READY and entry.claims == 0:
-                        self._free_slot(state, entry)
-                    else:
-                        entry.state = check_transition(entry.state, _DISCARDING)
-                        state.detached += 1
-                state.entries = {}
-                state.policy = POLICIES[self.config.policy]()
+                state.index.clear()
             self._inventory.publish(InventoryEvent(InventoryKind.CLEARED))
         self._gauges()
 
@@ -693,20 +577,16 @@ class KvcrRunner:
         pools = []
         with self._lock:
             for state in self._pools.values():
-                counts = {_READY: 0, _FILLING: 0, _DISCARDING: 0}
-                claimed = 0
-                for entry in state.entries.values():
-                    counts[entry.state] += 1
-                    claimed += entry.claims > 0
-                arena = state.arena
+                index = state.index
+                ready, filling, discarding, claimed = index.counts()
                 pools.append(
                     PoolStats(
                         pool=state.spec.name,
-                        slots=arena.slots if arena else 0,
-                        free=arena.free_count if arena else 0,
-                        ready=counts[_READY],
-                        filling=counts[_FILLING],
-                        discarding=counts[_DISCARDING] + state.detached,
+                        slots=index.slots,
+                        free=index.free_count,
+                        ready=ready,
+                        filling=filling,
+                        discarding=discarding,
                         claimed=claimed,
                         page_bytes=state.spec.page_bytes,
                     )
@@ -739,9 +619,9 @@ class KvcrRunner:
             if self._inflight:
                 raise KvcrError(f"close: {self._inflight} operations still touch kvcr memory; memory kept")
             self._expire_leases(self._clock.now())
-            pinned = {state.spec.name for held in self._leases.values() for state, _ in held.claims}
+            pinned = self._leases.pinned_pools()
             for state in self._pools.values():
-                state.entries = {}
+                state.index.forget()
         if on_quiescent is not None:
             on_quiescent()
         if pinned:
@@ -763,12 +643,12 @@ class KvcrRunner:
                     metrics.increment(M.BYTES, pages * page_bytes, {"path": path, "outcome": outcome})
 
     def _pool_gauges(self, state: _Pool) -> None:
-        arena = state.arena
-        if arena is None:
+        if state.arena is None:
             return
-        free = arena.free_count * state.spec.page_bytes
+        index = state.index
+        free = index.free_count * state.spec.page_bytes
         self._metrics.set_gauge(M.DRAM_FREE_BYTES, free, {"pool": state.spec.name})
-        capacity = arena.slots * state.spec.page_bytes
+        capacity = index.slots * state.spec.page_bytes
         self._metrics.set_gauge(M.DRAM_USED_BYTES, capacity - free, {"pool": state.spec.name})
         self._metrics.set_gauge(M.DRAM_CAPACITY_BYTES, capacity, {"pool": state.spec.name})
 
@@ -781,31 +661,22 @@ class KvcrRunner:
         self._metrics.set_gauge(M.LEASES_HELD, len(self._leases), {"role": LeaseRole.SOURCE})
 
     def _expire_leases(self, now: float) -> int:
-        expired = [lid for lid, held in self._leases.items() if held.lease.expired(now)]
-        for lease_id in expired:
-            self._drop_claims(self._leases.pop(lease_id))
+        expired = self._leases.expire(now)
+        for held in expired:
+            self._drop_claims(held)
         if expired:
             self._metrics.increment(M.LEASES_EXPIRED, len(expired))
             self._leases_gauge()
             self._quiet.notify_all()
         return len(expired)
 
-    def _drop_claims(self, held: _HeldLease) -> None:
-        self._quota.end(held.holder, ((state.spec.name, entry) for state, entry in held.claims))
-        for state, entry in held.claims:
-            entry.claims -= 1
-            entry.leased -= 1
-            if not entry.leased:
-                state.leased -= 1
-            if entry.claims == 0 and entry.state is _DISCARDING:
-                self._free_slot(state, entry)
+    def _expire_now(self) -> None:
+        self._expire_leases(self._clock.now())
 
-    def _new_lease_id(self) -> int:
-        # Random, so a peer cannot guess another's lease and a restarted source never honours an old one.
-        while True:
-            lease_id = secrets.randbits(63)
-            if lease_id and lease_id not in self._leases:
-                return lease_id
+    def _drop_claims(self, held: HeldLease) -> None:
+        pools = self._pools
+        for pool, entry in held.claims:
+            pools[pool].index.unpin(entry)
 
     def _release_arenas(self, keep: set[str] | frozenset[str] = frozenset()) -> None:
         for state in self._pools.values():
@@ -871,86 +742,35 @@ class KvcrRunner:
                 )
         return moves
 
-    def _reserve(self, state: _Pool, count: int, *, protect: Sequence[str]) -> list[int]:
-        """Up to ``count`` free slots, evicting unclaimed READY pages the policy picks first."""
-        arena = state.arena
-        assert arena is not None
-        slots = arena.take(count)
-        if len(slots) == count:
-            return slots
-        # Expired leases must not pin pages; a page cleared or dropped while leased gives its
-        # slot back now, and such slots are used before any resident page is evicted.
-        self._expire_leases(self._clock.now())
-        slots.extend(arena.take(count - len(slots)))
-        short = count - len(slots)
-        if short <= 0:
-            return slots
-        protected = set(protect)
-        entries = state.entries
-        victims: list[str] = []
-        for page in state.policy.victims():
-            entry = entries[page]
-            if entry.state is _READY and entry.claims == 0 and page not in protected:
-                victims.append(page)
-                if len(victims) == short:
-                    break
-        freed = []
-        for page in victims:
-            state.policy.remove(page)
-            entry = entries.pop(page)
-            entry.state = _FREE  # READY -> FREE, checked by the loop above
-            freed.append(entry.slot)
-        arena.give_back_many(freed)
+    def _evicted(self, state: _Pool, victims: list[str]) -> None:
         if victims:
             self._inventory.publish(InventoryEvent(InventoryKind.REMOVED, state.spec.name, tuple(victims)))
             self._metrics.increment(M.EVICTED_PAGES, len(victims), {"pool": state.spec.name})
-        slots.extend(arena.take(short))
-        return slots
-
-    def _free_slot(self, state: _Pool, entry: _Entry) -> None:
-        if entry.state is _DISCARDING:
-            state.detached -= 1
-        entry.state = check_transition(entry.state, _FREE)
-        assert state.arena is not None
-        state.arena.give_back(entry.slot)
 
     def _finish_backup(
         self,
         state: _Pool,
-        fills: list[tuple[int, str, _Entry]],
+        fills: list[Fill],
         copied: bool,
         results: list[bool],
         page_hashes: Sequence[str],
         parent: str | None,
     ) -> None:
-        entries = state.entries
-        stored: list[tuple[int, str]] = []
-        for i, page, entry in fills:
-            if entry.state is _DISCARDING:  # cleared while we copied
-                self._free_slot(state, entry)
-                continue
-            if copied:
-                entry.state = _READY  # FILLING -> READY: only this call fills it
-                results[i] = True
-                stored.append((i, page))
-            else:
-                if entries.get(page) is entry:
-                    del entries[page]
-                self._free_slot(state, entry)
+        index = state.index
+        stored = index.finish_fills(fills, copied)
+        for i, _ in stored:
+            results[i] = True
         pool = state.spec.name
         if len(stored) == len(page_hashes):
             ready = list(page_hashes)  # the common batch: every page is new and now READY
         else:
             ready = []
             for i, page in enumerate(page_hashes):
-                held = entries.get(page)
-                if held is not None and held.state is _READY:
+                if index.is_ready(page):
                     ready.append(page)
                     results[i] = True  # also a page listed twice in one batch
         if ready:
-            # admit, not touch: FIFO ignores touches, so pages it was never told about would
-            # never become victims and a full arena would refuse every later backup.
-            state.policy.admit(self._aligned(state, ready))
+            index.admit(ready)
         for run in _contiguous_runs(stored):
             first = run[0][0]
             self._inventory.publish(
@@ -969,27 +789,6 @@ class KvcrRunner:
         elif unstored:
             self._metrics.increment(M.FAILURES, 1, {"path": Path.BACKUP, "reason": FailureReason.NO_SPACE})
         self._pool_gauges(state)
-
-    def _aligned(self, state: _Pool, pages: list[str]) -> list[str]:
-        """``pages`` preceded by their resident ancestors, root first (prefix-recency alignment)."""
-        first = state.entries.get(pages[0])
-        lineage = self._ancestors(state, first.parent if first is not None else None, exclude=pages)
-        return [*lineage, *pages] if lineage else pages
-
-    def _ancestors(self, state: _Pool, parent: str | None, exclude: Sequence[str] = ()) -> list[str]:
-        """READY ancestors reached through parent links from ``parent``, root first."""
-        entries = state.entries
-        lineage: list[str] = []
-        seen = set(exclude)
-        while parent is not None and len(lineage) < self.config.max_alignment_depth and parent not in seen:
-            entry = entries.get(parent)
-            if entry is None or entry.state is not _READY:
-                break
-            lineage.append(parent)
-            seen.add(parent)
-            parent = entry.parent
-        lineage.reverse()
-        return lineage
 
 
 def _seed(state: _Pool, page_hash: str) -> bytes:

@@ -657,18 +657,6 @@ def test_the_flat_store_path_needs_one_source_per_component(env):
     assert str(err.value) == "pool 'kv' has 2 components, 1 sources given"
 
 
-def test_lease_ids_are_never_0_nor_a_live_lease_id(env, monkeypatch):
-    e = env()
-    e.store(sequence(1))
-    drawn = iter([0, 7, 7, 9])
-    monkeypatch.setattr("kvcr.runner.runner.secrets.randbits", lambda bits: next(drawn))
-    first = e.runner.lease([("kv", sequence(1))], 5.0)
-    second = e.runner.lease([("kv", sequence(1))], 5.0)
-    assert (first.lease_id, second.lease_id) == (7, 9)
-    assert e.runner.active_leases == 2
-    assert e.runner.release_lease(7) and e.runner.release_lease(9)
-
-
 def test_two_corrupt_pages_two_readers_hold_are_both_counted_discarding(env):
     memory = GatedMemory()
     e = env(memory=memory, verify_bytes=True)
