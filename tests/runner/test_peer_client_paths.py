@@ -141,7 +141,7 @@ def unbound(request):
 def test_a_failing_hello_is_a_miss_and_skips_the_peer_for_the_retry_window(cluster, caplog, answer, why, reason):
     b = cluster.make("B")
     rogue = Rogue(cluster, answer)
-    with caplog.at_level(logging.INFO, logger="kvcr.runner.peer_client"):
+    with caplog.at_level(logging.INFO, logger="kvcr.runner"):
         result = b.client.restore(rogue.endpoint, [PoolRead("kv", sequence(2), [5, 6])])
     assert reasons(result) == ["peer unavailable"] * 2
     assert skipped(caplog, rogue.endpoint) == [w.format(endpoint=rogue.endpoint) for w in why]
@@ -168,7 +168,7 @@ def test_an_unreachable_stalled_or_garbling_peer_is_skipped_saying_why(cluster, 
     a, b = cluster.make("A"), cluster.make("B")
     seed(a, sequence(1), [0])
     a.control.set_faults(faults)
-    with caplog.at_level(logging.INFO, logger="kvcr.runner.peer_client"):
+    with caplog.at_level(logging.INFO, logger="kvcr.runner"):
         result = b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])
     assert reasons(result) == ["peer unavailable"]
     assert skipped(caplog, a.endpoint) == [why.format(endpoint=a.endpoint)]
@@ -178,7 +178,7 @@ def test_an_unreachable_stalled_or_garbling_peer_is_skipped_saying_why(cluster, 
 def test_a_peer_whose_data_plane_cannot_be_reached_is_skipped(cluster, caplog):
     a, b = cluster.make("A"), cluster.make("B")
     rogue = Rogue(cluster, proxy(a, change_hello=lambda r: HelloReply(r.nonce, r.session, "x", b"{}", r.pools, 1000)))
-    with caplog.at_level(logging.INFO, logger="kvcr.runner.peer_client"):
+    with caplog.at_level(logging.INFO, logger="kvcr.runner"):
         assert b.client.lease(rogue.endpoint, [("kv", sequence(1))]) is None
     (why,) = skipped(caplog, rogue.endpoint)
     assert why.startswith("cannot connect its data plane: unreadable peer description")
@@ -474,7 +474,7 @@ def test_a_refused_read_is_a_miss_and_drops_the_link(cluster, caplog):
     seed(a, sequence(1), [0])
     lease = b.client.lease(a.endpoint, [("kv", sequence(1))])
     a.data_plane.set_faults(Faults(peer_down=True))
-    with caplog.at_level(logging.INFO, logger="kvcr.runner.peer_client"):
+    with caplog.at_level(logging.INFO, logger="kvcr.runner"):
         result = b.client.read(lease, [PoolRead("kv", sequence(1), [5])])
     assert reasons(result) == ["peer unavailable"]
     assert skipped(caplog, a.endpoint) == ["read refused"]
@@ -725,7 +725,7 @@ def test_a_control_call_gets_what_is_left_of_the_deadline(cluster, caplog):
         return answer(request)
 
     rogue = Rogue(cluster, then_stall)
-    with caplog.at_level(logging.INFO, logger="kvcr.runner.peer_client"):
+    with caplog.at_level(logging.INFO, logger="kvcr.runner"):
         assert b.client.lease(rogue.endpoint, [("kv", sequence(1))]) is None
     (why,) = skipped(caplog, rogue.endpoint)
     assert why.startswith(f"{rogue.endpoint} did not answer within 0.1")
@@ -776,7 +776,7 @@ def test_a_failed_read_skips_the_peer_and_drops_its_link(cluster, caplog, monkey
     real = b.data_plane.disconnect
     monkeypatch.setattr(b.data_plane, "disconnect", lambda peer: dropped.append(peer) or real(peer))
     monkeypatch.setattr(b.control, "forget", forgotten.append)
-    with caplog.at_level(logging.INFO, logger="kvcr.runner.peer_client"):
+    with caplog.at_level(logging.INFO, logger="kvcr.runner"):
         b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])
     assert skipped(caplog, a.endpoint) == ["read failed"]
     assert dropped == ["A"] and b.client.links == 0
@@ -790,7 +790,7 @@ def test_a_stalled_read_that_will_not_cancel_tears_the_link_down_and_skips_the_p
     dropped = []
     real = b.data_plane.disconnect
     monkeypatch.setattr(b.data_plane, "disconnect", lambda peer: dropped.append(peer) or real(peer))
-    with caplog.at_level(logging.INFO, logger="kvcr.runner.peer_client"):
+    with caplog.at_level(logging.INFO, logger="kvcr.runner"):
         result = b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])
     assert reasons(result) == ["read timed out"]  # the disconnect fenced it: a failure, not uncertain
     assert skipped(caplog, a.endpoint) == ["a read stalled"]

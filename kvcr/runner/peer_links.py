@@ -1,0 +1,295 @@
+"""A target's sessions with its sources: one link per source, its control calls, its down-time, its rate.
+
+A link is what HELLO established with one source: the session id the source bound to our
+connection, the source's incarnation, the pools we share (checked against our own pools), and the
+data-plane peer we connected. Links are cached (bounded LRU, idle ones closed), and a source that
+fails in any way (no answer, a refusal, a reply that does not answer our request, a failed read)
+is skipped for ``retry_after_s`` with its link, control connection and data-plane peer dropped:
+a sick source costs misses, never waits.
+
+Every control round trip goes through ``call``, which binds a reply to the request's nonce and
+turns every failure into None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvcr.domain.deadlines import Timing
+from kvcr.domain.pools import PoolSpec
+from kvcr.ports.clock import Clock
+from kvcr.ports.control import ControlChannel
+from kvcr.ports.dataplane import DataPlane, PeerInfo
+from kvcr.ports.errors import PeerRefused, TransportError
+from kvcr.ports.metric_catalogue import FailureReason, Path, Result
+from kvcr.ports.metric_catalogue import MetricName as M
+from kvcr.ports.metrics import Metrics
+from kvcr.runner import protocol
+from kvcr.runner.protocol import NONCE_BYTES, Hello, HelloReply, Lease, PoolWire, RefusalCode, Refused
+
+log = logging.getLogger(__name__)
+
+_RATE_WEIGHT = 0.3  # EWMA weight of the newest read in a link's throughput estimate
+
+
+@dataclass
+class Link:
+    """One source as HELLO described it."""
+
+    endpoint: str
+    session: int
+    incarnation: str
+    peer: PeerInfo
+    pools: dict[str, PoolWire]
+    staged: bool
+    last_used: float
+    bytes_per_s: float = 0.0  # 0: no estimate yet
+
+    def learn_rate(self, nbytes: int, elapsed: float) -> None:
+        """Fold one completed read into the throughput estimate."""
+        if elapsed <= 0 or nbytes <= 0:
+            return
+        rate = nbytes / elapsed
+        self.bytes_per_s = rate if not self.bytes_per_s else (1 - _RATE_WEIGHT) * self.bytes_per_s + _RATE_WEIGHT * rate
+
+
+@dataclass
+class RemoteLease:
+    """Pages a source holds for us until ``sent_at + ttl - margin`` on our clock."""
+
+    endpoint: str
+    lease_id: int
+    sent_at: float
+    ttl_s: float
+    slots: dict[tuple[str, str], int]  # (pool, page hash) -> source slot
+    digests: dict[tuple[str, str], bytes] = field(default_factory=dict)
+    link: Link | None = None
+    released: bool = False
+
+    def holds(self, pool: str, page_hash: str) -> bool:
+        return (pool, page_hash) in self.slots
+
+    def usable_until(self, margin_s: float) -> float:
+        """The last moment (our clock) a read under this lease may finish."""
+        return self.sent_at + self.ttl_s - margin_s
+
+
+def count_failure(metrics: Metrics, reason: FailureReason) -> None:
+    """One failure of the remote-restore path."""
+    metrics.increment(M.FAILURES, 1, {"path": Path.REMOTE_RESTORE, "reason": reason})
+
+
+def count_miss(metrics: Metrics, reason: FailureReason, pages: int) -> None:
+    """A failure that made ``pages`` pages misses."""
+    count_failure(metrics, reason)
+    metrics.increment(M.PAGES, pages, {"path": Path.REMOTE_RESTORE, "outcome": Result.MISS})
+
+
+class PeerLinks:
+    """Links to sources, by control endpoint. Thread-safe.
+
+    Args:
+        namespaces: our pools' namespaces (what HELLO offers, and what a source's pools must match).
+        specs: our pools, by name (a source's pool description must fit ours to be read from).
+        landing: ``auto``, ``direct`` or ``staged`` (see PeerSettings).
+    """
+
+    def __init__(
+        self,
+        control: ControlChannel,
+        data_plane: DataPlane,
+        clock: Clock,
+        metrics: Metrics,
+        *,
+        timing: Timing,
+        namespaces: dict[str, str],
+        specs: dict[str, PoolSpec],
+        landing: str,
+        max_links: int,
+        link_idle_s: float,
+    ) -> None:
+        self._control = control
+        self._data_plane = data_plane
+        self._clock = clock
+        self._metrics = metrics
+        self._timing = timing
+        self._namespaces = namespaces
+        self._specs = specs
+        self._landing = landing
+        self._max_links = max_links
+        self._link_idle_s = link_idle_s
+        self.incarnation = secrets.token_hex(16)
+        self._links: OrderedDict[str, Link] = OrderedDict()
+        self._down_until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._links)
+
+    def get(self, endpoint: str, deadline: float) -> Link | None:
+        """The link to ``endpoint``: cached, or made now (HELLO, then the data plane); None on any failure."""
+        now = self._clock.now()
+        with self._lock:
+            link = self._links.get(endpoint)
+            if link is not None:
+                link.last_used = now
+                self._links.move_to_end(endpoint)
+                return link
+            if now < self._down_until.get(endpoint, 0.0):
+                return None
+        self._close_idle(now)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        hello = Hello(nonce, self._data_plane.name, self.incarnation, dict(self._namespaces))
+        reply = self.call(endpoint, hello, nonce, deadline)
+        if not isinstance(reply, HelloReply):
+            if isinstance(reply, Refused) and reply.code == RefusalCode.NAMESPACE:
+                self.mark_down(endpoint, "no pool namespace in common")
+            return None
+        mine = self._namespaces
+        # Checked here too: a peer that shares no namespace with us must never get a link; nor may a
+        # pool description that does not fit our pool (reads are planned from its regions and sizes).
+        pools = {p.name: p for p in reply.pools if mine.get(p.name) == p.namespace and self._fits(p)}
+        if not pools:
+            self.mark_down(endpoint, "no pool namespace in common")
+            return None
+        try:
+            timeout = min(self._timing.connect_s, max(0.0, deadline - self._clock.now()))
+            peer = self._data_plane.connect(reply.data_plane, timeout)
+        except TransportError as exc:
+            self.mark_down(endpoint, f"cannot connect its data plane: {exc}")
+            return None
+        landing = self._landing
+        staged = landing == "staged" or (landing == "auto" and peer.late_writes)
+        link = Link(endpoint, reply.session, reply.incarnation, peer, pools, staged, self._clock.now())
+        evicted: list[tuple[str, Link]] = []
+        with self._lock:
+            self._links[endpoint] = link
+            while len(self._links) > self._max_links:
+                oldest = next(iter(self._links))
+                evicted.append((oldest, self._links.pop(oldest)))
+        for old, old_link in evicted:
+            self._drop(old, old_link)  # both halves: the control connection and the data-plane peer
+        return link
+
+    def call(self, endpoint: str, request: Hello | Lease, nonce: bytes, deadline: float) -> object:
+        """One round trip, bounded by the control deadline; None (peer marked down) on failure."""
+        timeout = min(self._timing.control_s, deadline - self._clock.now())
+        if timeout <= 0:
+            return None
+        try:
+            frame = self._control.request(endpoint, protocol.encode(request), timeout)
+            reply = protocol.decode(frame)
+        except protocol.FrameError:
+            self.mark_down(endpoint, "unreadable reply")
+            return None
+        except PeerRefused as exc:
+            self.mark_down(endpoint, f"refused: {exc}")
+            return None
+        except TransportError as exc:
+            self.mark_down(endpoint, str(exc))
+            return None
+        if isinstance(reply, Refused):
+            count_failure(self._metrics, FailureReason.PEER_REFUSED)
+            if reply.code != RefusalCode.UNKNOWN_SESSION:
+                self.mark_down(endpoint, f"refused ({_refusal_name(reply.code)})")
+            return reply
+        if getattr(reply, "nonce", None) != nonce:
+            # A reply to another request (or a replayed one): never act on it.
+            count_failure(self._metrics, FailureReason.UNBOUND_REPLY)
+            self.mark_down(endpoint, "reply does not answer our request")
+            return None
+        return reply
+
+    def send_release(self, link: Link, lease_id: int) -> None:
+        """RELEASE one lease, one-way (best effort: the lease also expires)."""
+        if lease_id:
+            self._control.send(link.endpoint, protocol.encode(protocol.Release(link.session, [lease_id])))
+
+    def newer(self, link: Link) -> Link | None:
+        """The link of a newer incarnation that answered HELLO at ``link``'s endpoint since, if any."""
+        with self._lock:
+            current = self._links.get(link.endpoint)
+        if current is None or current is link or current.incarnation == link.incarnation:
+            return None
+        return current
+
+    def mark_down(self, endpoint: str, why: str, failed: Link | None = None) -> None:
+        """Skip ``endpoint`` for ``retry_after_s`` and drop its link, control connection and data-plane peer.
+
+        ``failed``: the link a failed read used. When a newer incarnation of the source answered HELLO
+        since, the failure is its predecessor's: only the old data-plane peer is disconnected (when the
+        transport names the two apart), and the new process is neither skipped nor dropped.
+        """
+        newer = self.newer(failed) if failed is not None else None
+        if failed is not None and newer is not None:
+            log.info(
+                "kvcr: a read from %s's previous incarnation failed (%s); its new one is not skipped", endpoint, why
+            )
+            if failed.peer.name != newer.peer.name:
+                with contextlib.suppress(TransportError):
+                    self._data_plane.disconnect(failed.peer.name)
+            return
+        retry_after_s = self._timing.retry_after_s
+        log.info("kvcr: peer %s skipped for %.1fs: %s", endpoint, retry_after_s, why)
+        count_failure(self._metrics, FailureReason.PEER_UNAVAILABLE)
+        with self._lock:
+            link = self._links.pop(endpoint, None)
+            now = self._clock.now()
+            self._down_until[endpoint] = now + retry_after_s
+            self._down_until = {e: t for e, t in self._down_until.items() if t > now}
+            down = len(self._down_until)
+        self._metrics.set_gauge(M.PEERS_QUARANTINED, down)
+        if link is not None:
+            self._drop(endpoint, link)
+
+    def forget(self, endpoint: str) -> None:
+        """Drop the link to ``endpoint`` (if any) without skipping it: the next call says HELLO again."""
+        with self._lock:
+            link = self._links.pop(endpoint, None)
+        if link is not None:
+            self._drop(endpoint, link)
+
+    def close(self) -> None:
+        """Forget every link (their data-plane peers and control connections)."""
+        with self._lock:
+            endpoints = list(self._links)
+        for endpoint in endpoints:
+            self.forget(endpoint)
+
+    def _fits(self, wire: PoolWire) -> bool:
+        spec = self._specs.get(wire.name)
+        return (
+            spec is not None
+            and wire.slots > 0
+            and len(wire.regions) == len(spec.components)
+            and list(wire.pieces) == [c.piece_bytes for c in spec.components]
+        )
+
+    def _close_idle(self, now: float) -> None:
+        idle: list[tuple[str, Link]] = []
+        with self._lock:
+            for endpoint, link in list(self._links.items()):
+                if now - link.last_used < self._link_idle_s:
+                    break  # ordered by use: the rest are fresher
+                idle.append((endpoint, self._links.pop(endpoint)))
+        for endpoint, link in idle:
+            self._drop(endpoint, link)
+
+    def _drop(self, endpoint: str, link: Link | None = None) -> None:
+        if link is not None:
+            with contextlib.suppress(TransportError):
+                self._data_plane.disconnect(link.peer.name)
+        self._control.forget(endpoint)
+
+
+def _refusal_name(code: int) -> str:
+    try:
+        return RefusalCode(code).name.lower()
+    except ValueError:
+        return "unknown"

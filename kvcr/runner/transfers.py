@@ -1,0 +1,289 @@
+"""A target's data-plane reads under a lease: one transfer per chunk, where it lands, and what it cost.
+
+A chunk of leased pages becomes one posted read (runs merged per component), waited on until the
+read ends or its deadline (the operation's, or the lease's own end). A read that lands in the
+engine's host pages (``direct``) is checked in place; one from a peer whose given-up reads may
+still land (``staged``) goes into kvcr-owned staging memory and reaches the host pages only after
+DONE and its digest check. A read that outlives its deadline is cancelled; one that cannot be
+confirmed stopped is quarantined with its staging buffers (late bytes land where nobody reads)
+and reaped when it ends after all; a direct one is UNCERTAIN, and its host pages are unsafe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvcr.domain.deadlines import Timing
+from kvcr.domain.layout import PieceRun, slot_runs
+from kvcr.domain.outcomes import RESTORED, PageOutcome, failed, miss, uncertain
+from kvcr.domain.pools import PoolSpec
+from kvcr.domain.residency import lease_accepts
+from kvcr.ports.clock import Clock
+from kvcr.ports.dataplane import DataPlane, TransferState
+from kvcr.ports.errors import TransportError
+from kvcr.ports.memory import HostMemory, Move
+from kvcr.ports.metric_catalogue import FailureReason, Path
+from kvcr.ports.metric_catalogue import MetricName as M
+from kvcr.ports.metrics import Metrics
+from kvcr.runner.peer_links import Link, PeerLinks, RemoteLease, count_failure, count_miss
+from kvcr.runner.runner import KvcrRunner
+from kvcr.runner.staging import StagingBuffer, StagingPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRead:
+    """Pages of one pool to read, with the host slots they land in."""
+
+    pool: str
+    page_hashes: Sequence[str]
+    host_slots: Sequence[int]
+
+
+@dataclass
+class Wanted:
+    """One leased page to read: where it is in its request, its key, where it lands, where it is."""
+
+    pool: str
+    index: int
+    page: str
+    host_slot: int
+    src_slot: int
+
+
+class Transfers:
+    """Reads leased pages, chunk by chunk. Thread-safe.
+
+    Args:
+        host_ids: per pool, the data-plane region ids of its host regions (where direct reads land).
+    """
+
+    def __init__(
+        self,
+        runner: KvcrRunner,
+        links: PeerLinks,
+        data_plane: DataPlane,
+        memory: HostMemory,
+        clock: Clock,
+        metrics: Metrics,
+        staging: StagingPool,
+        host_ids: Callable[[str], tuple[int, ...]],
+    ) -> None:
+        self._runner = runner
+        self._links = links
+        self._data_plane = data_plane
+        self._memory = memory
+        self._clock = clock
+        self._metrics = metrics
+        self._staging = staging
+        self._host_ids = host_ids
+        self._timing: Timing = runner.config.timing
+        self._verify = runner.config.verify_bytes
+        self._specs: dict[str, PoolSpec] = {p.name: p for p in runner.pools}
+        self._lock = threading.Lock()
+        self._quarantine: list[tuple[int, list[StagingBuffer]]] = []  # (handle, its staging buffers)
+
+    @property
+    def quarantined(self) -> int:
+        """Transfers that could not be confirmed stopped (their destinations are unsafe)."""
+        with self._lock:
+            return len(self._quarantine)
+
+    def reap(self) -> int:
+        """Release quarantined reads that ended after all (their source came back); returns those left."""
+        with self._lock:
+            held = list(self._quarantine)
+        ended = []
+        for handle, buffers in held:
+            try:
+                state = self._data_plane.poll(handle)
+            except TransportError:
+                continue
+            if state.terminal:
+                self._data_plane.release(handle)
+                for buffer in buffers:
+                    self._staging.release_quarantined(buffer)
+                ended.append(handle)
+        with self._lock:
+            self._quarantine = [q for q in self._quarantine if q[0] not in ended]
+            return len(self._quarantine)
+
+    def read_chunk(
+        self, lease: RemoteLease, link: Link, chunk: list[Wanted], give_up: float
+    ) -> tuple[list[PageOutcome], bool]:
+        """One transfer: per page its outcome, and whether the transfer itself completed."""
+        if self._clock.now() >= give_up:
+            return [miss("lease expired before the read")] * len(chunk), False
+        by_pool: dict[str, list[Wanted]] = {}
+        for item in chunk:
+            by_pool.setdefault(item.pool, []).append(item)
+        buffers: dict[str, StagingBuffer] = {}
+        if link.staged:
+            for pool in by_pool:
+                buffer = self._staging.take(self._specs[pool])
+                if buffer is None:
+                    for taken in buffers.values():
+                        self._staging.give_back(taken)
+                    count_miss(self._metrics, FailureReason.NO_STAGING, len(chunk))
+                    return [miss("no staging memory free")] * len(chunk), False
+                buffers[pool] = buffer
+        runs: list[PieceRun] = []
+        for pool, items in by_pool.items():
+            src_ids = link.pools[pool].regions
+            if link.staged:
+                dst_ids = buffers[pool].ids
+                pairs = [(item.src_slot, k) for k, item in enumerate(items)]
+            else:
+                dst_ids = self._host_ids(pool)
+                pairs = [(item.src_slot, item.host_slot) for item in items]
+            for src_first, dst_first, count in slot_runs(pairs):
+                runs.extend(
+                    PieceRun(src, src_first, dst, dst_first, count) for src, dst in zip(src_ids, dst_ids, strict=True)
+                )
+        started = self._clock.now()
+        verdict, unsettled = self._transfer(lease, link, runs, give_up, staged=link.staged)
+        if not verdict.restored:
+            for buffer in buffers.values():
+                if unsettled is None:
+                    self._staging.give_back(buffer)
+                else:
+                    self._staging.quarantine(buffer)  # late bytes land where nobody reads
+            if unsettled is not None:
+                with self._lock:
+                    self._quarantine.append((unsettled, list(buffers.values())))
+            return [verdict] * len(chunk), False
+        specs = self._specs
+        nbytes = sum(specs[item.pool].page_bytes for item in chunk)
+        link.learn_rate(nbytes, self._clock.now() - started)
+        if not link.staged:
+            return self._checked(lease, chunk, lambda item: None), True
+        try:
+            return self._land_staged(by_pool, buffers, lease, chunk), True
+        finally:
+            for buffer in buffers.values():
+                self._staging.give_back(buffer)
+
+    def _land_staged(
+        self,
+        by_pool: dict[str, list[Wanted]],
+        buffers: dict[str, StagingBuffer],
+        lease: RemoteLease,
+        chunk: list[Wanted],
+    ) -> list[PageOutcome]:
+        """Verify staged pages, then copy the good ones into their host pages."""
+        positions = {id(item): k for items in by_pool.values() for k, item in enumerate(items)}
+        outcomes = self._checked(lease, chunk, lambda item: buffers[item.pool].extents(positions[id(item)]))
+        moves: list[Move] = []
+        for item, outcome in zip(chunk, outcomes, strict=True):
+            if not outcome.restored:
+                continue
+            host = self._runner.pool_host_regions(item.pool)
+            staged = buffers[item.pool].extents(positions[id(item)])
+            moves.extend(
+                Move(r.base + item.host_slot * r.stride, address, nbytes)
+                for r, (address, nbytes) in zip(host, staged, strict=True)
+            )
+        try:
+            self._memory.copy(moves)
+        except TransportError as exc:
+            log.warning("kvcr: copying staged pages into host pages failed: %s", exc)
+            return [failed("staged copy failed")] * len(chunk)
+        return outcomes
+
+    def _checked(
+        self,
+        lease: RemoteLease,
+        chunk: list[Wanted],
+        staged: Callable[[Wanted], list[tuple[int, int]] | None],
+    ) -> list[PageOutcome]:
+        """RESTORED per page, unless its delivered bytes differ from the source's digest for that key."""
+        if not self._verify:
+            return [RESTORED] * len(chunk)
+        outcomes: list[PageOutcome] = []
+        bad = 0
+        for item in chunk:
+            expected = lease.digests.get((item.pool, item.page), b"")
+            extents = staged(item)
+            if extents is None:
+                actual = self._runner.host_digest(item.pool, item.host_slot, item.page)
+            else:
+                actual = self._runner.digest_extents(item.pool, extents, item.page)
+            if expected and actual == expected:
+                outcomes.append(RESTORED)
+            else:
+                bad += 1
+                outcomes.append(failed("bytes differ from the source's digest"))
+        if bad:
+            self._metrics.increment(M.VERIFICATION_FAILURES, bad, {"path": Path.REMOTE_RESTORE})
+            count_failure(self._metrics, FailureReason.VERIFICATION)
+            log.error("kvcr: %d pages read from %s failed verification; reported as misses", bad, lease.endpoint)
+        return outcomes
+
+    def _transfer(
+        self, lease: RemoteLease, link: Link, runs: list[PieceRun], give_up: float, *, staged: bool
+    ) -> tuple[PageOutcome, int | None]:
+        """Post one read and wait for it; returns its outcome and, if it never settled, its handle."""
+        try:
+            handle = self._data_plane.read(link.peer.name, runs, lease=lease.lease_id)
+        except TransportError as exc:
+            log.info("kvcr: read from %s refused: %s", lease.endpoint, exc)
+            self._links.mark_down(lease.endpoint, "read refused", link)
+            return miss("peer unavailable"), None
+        state = self._wait(handle, give_up)
+        completed_at = self._clock.now()
+        if state is TransferState.PENDING:
+            return self._give_up(lease, handle, staged=staged, timed_out_at=give_up)
+        self._data_plane.release(handle)
+        if state is not TransferState.DONE:
+            self._links.mark_down(lease.endpoint, f"read {state.value}", link)
+            return failed(f"read {state.value}"), None
+        if not lease_accepts(lease.sent_at, lease.ttl_s, self._timing.lease_margin_s, completed_at):
+            return failed("read finished after the lease"), None
+        return RESTORED, None
+
+    def _give_up(
+        self, lease: RemoteLease, handle: int, *, staged: bool, timed_out_at: float
+    ) -> tuple[PageOutcome, int | None]:
+        """A read outlived its deadline: stop it, tear the peer down if needed; its handle if it never settled.
+
+        The caller quarantines a handle that never settled (with its staging buffers)."""
+        expired = timed_out_at == lease.usable_until(self._timing.lease_margin_s)
+        why = failed("read would outlive the lease" if expired else "read timed out")
+        state = self._data_plane.cancel(handle)
+        if not state.terminal:
+            # Drop the link and disconnect its peer (the strongest stop the transport has).
+            self._links.mark_down(lease.endpoint, "a read stalled", lease.link)
+            # A transport that fences on disconnect says so at once; give it a moment, no more.
+            state = self._wait(handle, self._clock.now() + 0.5 if not staged else self._clock.now())
+        count_failure(self._metrics, FailureReason.LEASE_EXPIRED if expired else FailureReason.TIMEOUT)
+        if state.terminal:
+            self._data_plane.release(handle)  # a late DONE stays a failure
+            return why, None
+        count_failure(self._metrics, FailureReason.UNCERTAIN)
+        if staged:
+            log.warning("kvcr: a read from %s never stopped; its staging buffer is quarantined", lease.endpoint)
+            return miss("read stalled (staged, quarantined)"), handle
+        log.error(
+            "kvcr: read %d from %s could not be confirmed stopped; its host pages are unsafe", handle, lease.endpoint
+        )
+        return uncertain("transfer could not be confirmed stopped"), handle
+
+    def _wait(self, handle: int, until: float) -> TransferState:
+        """Poll until terminal or ``until``: a burst of polls (they drive progress), then backoff."""
+        spins = 0
+        pause = 20e-6
+        while True:
+            state = self._data_plane.poll(handle)
+            if state is not TransferState.PENDING and state is not TransferState.UNCERTAIN:
+                return state
+            if self._clock.now() >= until:
+                return TransferState.PENDING if state is TransferState.UNCERTAIN else state
+            spins += 1
+            if spins > 64:
+                # Yield the core (a CMA read needs no progress from us); an injected clock moves on.
+                self._clock.sleep(pause)
+                pause = min(pause * 2, 200e-6)
