@@ -10,12 +10,30 @@ its lock and ends each returned lease's claims in its pools' indexes.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvcr.domain.residency import Lease
-from kvcr.runner.index import Entry
+from kvcr.domain.residency import Lease, SlotState
+from kvcr.runner.index import Entry, SlotIndex
 from kvcr.runner.quota import PeerQuota
+
+MISSING_SLOT = -1
+"""The slot a grant gives a page it does not lease (from a peer: a miss, not an error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    """What a source granted: a lease id, per requested pool and page its slot (or -1) and digest, the TTL.
+
+    ``lease_id`` is 0 when nothing was granted (no lease is held then). ``over_quota``: pages
+    refused only because the holder was at its own cap (pages or leases).
+    """
+
+    lease_id: int
+    slots: tuple[tuple[int, ...], ...]
+    digests: tuple[tuple[bytes, ...], ...]
+    ttl_s: float
+    over_quota: int = 0
 
 
 @dataclass(slots=True)
@@ -48,7 +66,62 @@ class LeaseTable:
     def get(self, lease_id: int) -> HeldLease | None:
         return self._leases.get(lease_id)
 
-    def grant(self, claims: list[tuple[str, Entry]], holder: int, now: float, duration_s: float) -> int:
+    def lease(
+        self,
+        requests: Sequence[tuple[str, Sequence[str]]],
+        indexes: Mapping[str, SlotIndex],
+        holder: int,
+        now: float,
+        duration_s: float,
+    ) -> tuple[LeaseGrant, dict[str, int]]:
+        """Pin the READY pages of ``requests`` ((pool, page hashes)) in ``indexes`` for ``holder``.
+
+        Pages that are malformed, of a pool not in ``indexes``, not READY, past the pool's lease cap
+        or past the holder's own caps are granted as ``MISSING_SLOT``; nothing at all once leasing
+        stopped. Returns the grant and the pages leased per pool.
+        """
+        slots: list[tuple[int, ...]] = []
+        digests: list[tuple[bytes, ...]] = []
+        claims: list[tuple[str, Entry]] = []
+        leased: dict[str, int] = {}
+        over_quota = 0
+        quota = self.quota
+        may_lease = quota.may_lease(holder)
+        ready = SlotState.READY
+        for pool, pages in requests:
+            index = indexes.get(pool)
+            if index is None or not self.leasing or not may_lease:
+                over_quota += 0 if may_lease else len(pages)
+                slots.append((MISSING_SLOT,) * len(pages))
+                digests.append((b"",) * len(pages))
+                continue
+            entries = index.entries
+            pool_slots: list[int] = []
+            pool_digests: list[bytes] = []
+            before = len(claims)
+            for page in pages:
+                entry = entries.get(page) if isinstance(page, str) else None
+                if entry is None or entry.state is not ready or index.lease_capped(entry):
+                    pool_slots.append(MISSING_SLOT)
+                    pool_digests.append(b"")
+                    continue
+                if not quota.may_pin(holder, pool, entry, index.peer_cap):
+                    over_quota += 1
+                    pool_slots.append(MISSING_SLOT)
+                    pool_digests.append(b"")
+                    continue
+                quota.pin(holder, pool, entry)
+                index.pin(entry)
+                claims.append((pool, entry))
+                pool_slots.append(entry.slot)
+                pool_digests.append(entry.digest)
+            slots.append(tuple(pool_slots))
+            digests.append(tuple(pool_digests))
+            leased[pool] = leased.get(pool, 0) + len(claims) - before
+        lease_id = self._grant(claims, holder, now, duration_s) if claims else 0
+        return LeaseGrant(lease_id, tuple(slots), tuple(digests), duration_s, over_quota), leased
+
+    def _grant(self, claims: list[tuple[str, Entry]], holder: int, now: float, duration_s: float) -> int:
         """Record a lease of ``claims`` (already pinned) for ``holder`` until ``now + duration_s``; its id."""
         lease_id = self._new_id()
         self._leases[lease_id] = HeldLease(Lease(lease_id, (), now, now + duration_s), claims, holder)

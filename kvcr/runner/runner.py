@@ -27,40 +27,27 @@ from dataclasses import dataclass
 from kvcr.domain.errors import ClosedError, ConfigError, DeadlineExceeded, KvcrError, LayoutError
 from kvcr.domain.eviction import POLICIES
 from kvcr.domain.keys import check_page_hash
-from kvcr.domain.layout import RegionDescriptor, check_disjoint, slot_runs
+from kvcr.domain.layout import RegionDescriptor, check_disjoint
 from kvcr.domain.outcomes import RESTORED, PageOutcome, failed, miss
 from kvcr.domain.pools import PoolSpec
 from kvcr.domain.residency import SlotState
 from kvcr.ports.clock import Clock
 from kvcr.ports.errors import MemoryCopyError, RegistrationError
-from kvcr.ports.inventory import InventoryEvent, InventoryKind, InventorySink
+from kvcr.ports.inventory import InventorySink
 from kvcr.ports.memory import HostMemory, Move
-from kvcr.ports.metric_catalogue import FailureReason, LeaseRole, Path, Result
-from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metrics import Metrics
-from kvcr.runner.arena import Arena, host_label
+from kvcr.runner.accounting import TierAccounting
+from kvcr.runner.arena import Arena
 from kvcr.runner.config import RunnerConfig
 from kvcr.runner.index import Entry, Fill, SlotIndex
-from kvcr.runner.leases import HeldLease, LeaseTable
+from kvcr.runner.leases import HeldLease, LeaseGrant, LeaseTable
+from kvcr.runner.pool_state import PoolState, merged_moves
 
 log = logging.getLogger(__name__)
 
 _READY = SlotState.READY
 _NOT_HELD = miss("not held")
 _CORRUPT = failed("bytes differ from their backup digest")
-
-
-class _Pool:
-    """A pool's arena, host regions, slot index and namespace (a logical pool has no arena and no slots)."""
-
-    __slots__ = ("arena", "host", "index", "namespace", "spec")
-
-    def __init__(self, spec: PoolSpec, arena: Arena | None, index: SlotIndex, namespace: str) -> None:
-        self.spec = spec
-        self.arena = arena
-        self.host: tuple[RegionDescriptor, ...] | None = None
-        self.index = index
-        self.namespace = namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,24 +72,6 @@ class RunnerStats:
     namespace: str
     pools: tuple[PoolStats, ...]
     counters: dict[str, float]
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseGrant:
-    """What a source granted: a lease id, per requested pool and page its slot (or -1) and digest, the TTL.
-
-    ``lease_id`` is 0 when nothing was granted (no lease is held then). ``over_quota``: pages
-    refused only because the holder was at its own cap (pages or leases).
-    """
-
-    lease_id: int
-    slots: tuple[tuple[int, ...], ...]
-    digests: tuple[tuple[bytes, ...], ...]
-    ttl_s: float
-    over_quota: int = 0
-
-
-_MISSING_SLOT = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,18 +102,18 @@ class KvcrRunner:
         self._memory = memory
         self._clock = clock
         self._metrics = metrics
-        self._inventory = inventory
+        self._account = TierAccounting(metrics, inventory)
         self._lock = threading.Lock()
         self._quiet = threading.Condition(self._lock)
         self._inflight = 0
         self._closed = False
         self._leases = LeaseTable(config.max_peer_leases)
         slots = config.slots_per_pool()
-        self._pools: dict[str, _Pool] = {}
+        self._pools: dict[str, PoolState] = {}
         try:
             for spec in config.pools:
                 arena = self._arena(spec, slots[spec.name]) if spec.physical else None
-                self._pools[spec.name] = _Pool(spec, arena, self._index(arena), self.namespaces.get(spec.name, ""))
+                self._pools[spec.name] = PoolState(spec, arena, self._index(arena), self.namespaces.get(spec.name, ""))
         except BaseException:
             self._release_arenas()
             raise
@@ -188,17 +157,17 @@ class KvcrRunner:
 
     def pool_host_regions(self, pool: str) -> tuple[RegionDescriptor, ...]:
         """The registered host regions of ``pool`` (LayoutError when none)."""
-        return self._host(self._physical(pool))
+        return self._physical(pool).host_regions()
 
     def host_digest(self, pool: str, host_slot: int, page_hash: str) -> bytes:
         """Digest of one host page across its components, bound to the page's key (what a peer's digest vouches for)."""
         state = self._physical(pool)
-        regions = self._host(state)
-        return self._memory.digest([(r.address(host_slot), r.piece_bytes) for r in regions], _seed(state, page_hash))
+        regions = state.host_regions()
+        return self._memory.digest([(r.address(host_slot), r.piece_bytes) for r in regions], state.seed(page_hash))
 
     def digest_extents(self, pool: str, extents: Sequence[tuple[int, int]], page_hash: str) -> bytes:
         """Digest of a page whose components sit at ``extents`` (staging memory), bound to its key."""
-        return self._memory.digest(extents, _seed(self._physical(pool), page_hash))
+        return self._memory.digest(extents, self._physical(pool).seed(page_hash))
 
     def host_regions(self) -> tuple[RegionDescriptor, ...]:
         """Every registered host region (where restores land)."""
@@ -211,22 +180,7 @@ class KvcrRunner:
         no-op; a different geometry is accepted only while nothing is in flight.
         """
         state = self._physical(pool)
-        components = state.spec.components
-        if len(regions) != len(components):
-            raise LayoutError(f"pool {pool!r} has {len(components)} components, {len(regions)} host regions were given")
-        canonical = []
-        for region, component in zip(regions, components, strict=True):
-            if region.piece_bytes != component.piece_bytes:
-                raise LayoutError(
-                    f"pool {pool!r} component {component.label!r}: host pieces are {region.piece_bytes} "
-                    f"bytes, the pool expects {component.piece_bytes}"
-                )
-            canonical.append(
-                RegionDescriptor(
-                    host_label(pool, component.label), region.base, region.stride, region.count, region.piece_bytes
-                )
-            )
-        new = tuple(canonical)
+        new = state.canonical_host(regions)
         with self._lock:
             self._check_open()
             if state.host == new:
@@ -254,38 +208,35 @@ class KvcrRunner:
         prefix-recency alignment and inventory events). Pages already held count as stored.
         """
         state = self._physical(pool)
-        host = self._host(state)
-        self._check_batch(page_hashes, host_slots, host)
-        arena = state.arena
-        assert arena is not None
+        host = state.check_batch(page_hashes, host_slots)
+        arena = state.arena_regions()
         return self._backup(
             state,
             page_hashes,
-            lambda fills: self._moves(arena.regions, host, [(e.slot, host_slots[i]) for i, e in fills]),
+            lambda fills: merged_moves(arena, host, [(e.slot, host_slots[i]) for i, e in fills]),
             parent,
         )
 
     def store_page(self, pool: str, page_hash: str, sources: Sequence[int]) -> bool:
         """Back up one page from arbitrary addresses, one per component (SGLang's copy path)."""
         state = self._physical(pool)
-        arena = state.arena
-        assert arena is not None
-        if len(sources) != len(arena.regions):
-            raise LayoutError(f"pool {pool!r} has {len(arena.regions)} components, {len(sources)} sources given")
+        arena = state.arena_regions()
+        if len(sources) != len(arena):
+            raise LayoutError(f"pool {pool!r} has {len(arena)} components, {len(sources)} sources given")
         return self._backup(
             state,
             [page_hash],
             lambda fills: [
                 Move(r.address(e.slot), src, r.piece_bytes)
                 for _, e in fills
-                for r, src in zip(arena.regions, sources, strict=True)
+                for r, src in zip(arena, sources, strict=True)
             ],
             None,
         )[0]
 
     def _backup(
         self,
-        state: _Pool,
+        state: PoolState,
         page_hashes: Sequence[str],
         plan: Callable[[list[tuple[int, Entry]]], list[Move]],
         parent: str | None,
@@ -296,7 +247,7 @@ class KvcrRunner:
         with self._locked(deadline):
             self._check_open()
             results, fills, evicted = state.index.begin_fills(page_hashes, parent, self._expire_now)
-            self._evicted(state, evicted)
+            self._account.evicted(state, evicted)
             self._inflight += 1
         copied = False
         try:
@@ -314,7 +265,7 @@ class KvcrRunner:
                 self._quiet.notify_all()
         return results
 
-    def _seal(self, state: _Pool, fills: list[Fill]) -> None:
+    def _seal(self, state: PoolState, fills: list[Fill]) -> None:
         """Digest every freshly copied page from kvcr's own copy (FILLING: nobody else reads it yet)."""
         arena = state.arena
         assert arena is not None
@@ -322,7 +273,7 @@ class KvcrRunner:
         digest = self._memory.digest
         for _, page, entry in fills:
             slot = entry.slot
-            entry.digest = digest([(r.base + slot * r.stride, r.piece_bytes) for r in regions], _seed(state, page))
+            entry.digest = digest([(r.base + slot * r.stride, r.piece_bytes) for r in regions], state.seed(page))
 
     def exists(self, pool: str, page_hashes: Sequence[str]) -> list[bool]:
         """Per page, whether it is READY in kvcr DRAM now."""
@@ -351,14 +302,12 @@ class KvcrRunner:
         only the leading run, so copying past a hole is wasted bandwidth).
         """
         state = self._physical(pool)
-        host = self._host(state)
-        self._check_batch(page_hashes, host_slots, host)
-        arena = state.arena
-        assert arena is not None
+        host = state.check_batch(page_hashes, host_slots)
+        arena = state.arena_regions()
         return self._restore(
             state,
             page_hashes,
-            lambda claimed: self._moves(host, arena.regions, [(host_slots[i], e.slot) for i, e in claimed]),
+            lambda claimed: merged_moves(host, arena, [(host_slots[i], e.slot) for i, e in claimed]),
             lambda i: [(r.base + host_slots[i] * r.stride, r.piece_bytes) for r in host],
             prefix_only,
         )
@@ -366,27 +315,24 @@ class KvcrRunner:
     def load_page(self, pool: str, page_hash: str, destinations: Sequence[int]) -> bool:
         """Restore one page to arbitrary addresses, one per component (SGLang's copy path)."""
         state = self._physical(pool)
-        arena = state.arena
-        assert arena is not None
-        if len(destinations) != len(arena.regions):
-            raise LayoutError(
-                f"pool {pool!r} has {len(arena.regions)} components, {len(destinations)} destinations given"
-            )
+        arena = state.arena_regions()
+        if len(destinations) != len(arena):
+            raise LayoutError(f"pool {pool!r} has {len(arena)} components, {len(destinations)} destinations given")
         return self._restore(
             state,
             [page_hash],
             lambda claimed: [
                 Move(dst, r.address(e.slot), r.piece_bytes)
                 for _, e in claimed
-                for r, dst in zip(arena.regions, destinations, strict=True)
+                for r, dst in zip(arena, destinations, strict=True)
             ],
-            lambda _: [(dst, r.piece_bytes) for r, dst in zip(arena.regions, destinations, strict=True)],
+            lambda _: [(dst, r.piece_bytes) for r, dst in zip(arena, destinations, strict=True)],
             False,
         )[0].restored
 
     def _restore(
         self,
-        state: _Pool,
+        state: PoolState,
         page_hashes: Sequence[str],
         plan: Callable[[list[tuple[int, Entry]]], list[Move]],
         delivered: Callable[[int], Sequence[tuple[int, int]]],
@@ -418,43 +364,26 @@ class KvcrRunner:
                     outcomes[i] = _CORRUPT if i in bad else outcome
                     if i in bad:
                         if index.discard(page_hashes[i], entry):
-                            self._inventory.publish(
-                                InventoryEvent(InventoryKind.REMOVED, state.spec.name, (page_hashes[i],))
-                            )
+                            self._account.removed(state, page_hashes[i])
                     else:
                         index.unclaim(entry)
                 self._inflight -= 1
                 self._quiet.notify_all()
-        self._count(
-            Path.LOCAL_RESTORE,
-            state,
-            ok=len(claimed) - len(corrupt) if copied else 0,
-            miss=len(page_hashes) - len(claimed),
-            failed=len(corrupt) if copied else len(claimed),
+        self._account.local_restore(
+            state, len(page_hashes), len(claimed), len(corrupt), copied, self._clock.now() - started
         )
-        if not copied and claimed:
-            self._metrics.increment(M.FAILURES, 1, {"path": Path.LOCAL_RESTORE, "reason": FailureReason.COPY_ERROR})
-        if claimed:
-            self._metrics.observe(M.RESTORE_SECONDS, self._clock.now() - started, {"path": Path.LOCAL_RESTORE})
-        if corrupt:
-            self._metrics.increment(M.VERIFICATION_FAILURES, len(corrupt), {"path": Path.LOCAL_RESTORE})
-            log.error(
-                "kvcr: %d pages of pool %s changed in kvcr memory since their backup; dropped, reported as misses",
-                len(corrupt),
-                state.spec.name,
-            )
         return outcomes
 
     def _check_delivered(
         self,
-        state: _Pool,
+        state: PoolState,
         page_hashes: Sequence[str],
         claimed: list[tuple[int, Entry]],
         delivered: Callable[[int], Sequence[tuple[int, int]]],
     ) -> list[int]:
         """Positions of claimed pages whose delivered bytes do not match their backup digest."""
         digest = self._memory.digest
-        return [i for i, entry in claimed if digest(delivered(i), _seed(state, page_hashes[i])) != entry.digest]
+        return [i for i, entry in claimed if digest(delivered(i), state.seed(page_hashes[i])) != entry.digest]
 
     def lease(self, requests: Sequence[tuple[str, Sequence[str]]], duration_s: float, *, holder: int = 0) -> LeaseGrant:
         """Hold READY pages for a peer until the lease expires on our clock or is released.
@@ -466,54 +395,18 @@ class KvcrRunner:
         configured lease length. Lease ids are random 63-bit numbers, never reused.
         """
         duration = min(max(duration_s, 0.0), self.config.timing.lease_s)
-        slots: list[tuple[int, ...]] = []
-        digests: list[tuple[bytes, ...]] = []
-        claims: list[tuple[str, Entry]] = []
-        served = 0  # bytes granted: page_bytes is a sum over components, taken once per pool
-        over_quota = 0
-        leases = self._leases
-        quota = leases.quota
+        pools = self._pools
         with self._lock:
             self._check_open()
             now = self._clock.now()
             self._expire_leases(now)
-            may_lease = quota.may_lease(holder)
-            for pool, pages in requests:
-                state = self._pools.get(pool)
-                if state is None or state.arena is None or not leases.leasing or not may_lease:
-                    over_quota += 0 if may_lease else len(pages)
-                    slots.append((_MISSING_SLOT,) * len(pages))
-                    digests.append((b"",) * len(pages))
-                    continue
-                index = state.index
-                entries = index.entries
-                pool_slots: list[int] = []
-                pool_digests: list[bytes] = []
-                claimed = len(claims)
-                for page in pages:
-                    entry = entries.get(page) if isinstance(page, str) else None
-                    if entry is None or entry.state is not _READY or index.lease_capped(entry):
-                        pool_slots.append(_MISSING_SLOT)
-                        pool_digests.append(b"")
-                        continue
-                    if not quota.may_pin(holder, pool, entry, index.peer_cap):
-                        over_quota += 1
-                        pool_slots.append(_MISSING_SLOT)
-                        pool_digests.append(b"")
-                        continue
-                    quota.pin(holder, pool, entry)
-                    index.pin(entry)
-                    claims.append((pool, entry))
-                    pool_slots.append(entry.slot)
-                    pool_digests.append(entry.digest)
-                slots.append(tuple(pool_slots))
-                digests.append(tuple(pool_digests))
-                served += (len(claims) - claimed) * state.spec.page_bytes
-            lease_id = leases.grant(claims, holder, now, duration) if claims else 0
-        self._metrics.increment(M.PAGES, len(claims), {"path": Path.SERVED, "outcome": Result.OK})
-        self._metrics.increment(M.BYTES, served, {"path": Path.SERVED, "outcome": Result.OK})
-        self._leases_gauge()
-        return LeaseGrant(lease_id, tuple(slots), tuple(digests), duration, over_quota)
+            indexes = {name: p.index for name, p in pools.items() if p.arena is not None}
+            grant, leased = self._leases.lease(requests, indexes, holder, now, duration)
+        pages = sum(leased.values())
+        served = sum(n * pools[pool].spec.page_bytes for pool, n in leased.items())
+        self._account.served(pages, served)
+        self._account.leases(len(self._leases))
+        return grant
 
     def leased_slots(self, lease_id: int) -> dict[str, set[int]] | None:
         """The slots a live lease holds, per pool; None when the lease is unknown or expired."""
@@ -550,7 +443,7 @@ class KvcrRunner:
                 return False
             self._drop_claims(held)
             self._quiet.notify_all()
-            self._leases_gauge()
+            self._account.leases(len(self._leases))
         return True
 
     def expire_leases(self) -> int:
@@ -569,7 +462,7 @@ class KvcrRunner:
             self._check_open()
             for state in self._pools.values():
                 state.index.clear()
-            self._inventory.publish(InventoryEvent(InventoryKind.CLEARED))
+            self._account.cleared()
         self._gauges()
 
     def stats(self) -> RunnerStats:
@@ -633,40 +526,17 @@ class KvcrRunner:
 
     # ------------------------------------------------------------------ internals
 
-    def _count(self, path: Path, state: _Pool, *, ok: int, miss: int = 0, failed: int = 0) -> None:
-        """Pages (and bytes) of one operation on ``path``, by outcome."""
-        metrics, page_bytes = self._metrics, state.spec.page_bytes
-        for outcome, pages in ((Result.OK, ok), (Result.MISS, miss), (Result.FAILED, failed)):
-            if pages > 0:
-                metrics.increment(M.PAGES, pages, {"path": path, "outcome": outcome})
-                if outcome is not Result.MISS:
-                    metrics.increment(M.BYTES, pages * page_bytes, {"path": path, "outcome": outcome})
-
-    def _pool_gauges(self, state: _Pool) -> None:
-        if state.arena is None:
-            return
-        index = state.index
-        free = index.free_count * state.spec.page_bytes
-        self._metrics.set_gauge(M.DRAM_FREE_BYTES, free, {"pool": state.spec.name})
-        capacity = index.slots * state.spec.page_bytes
-        self._metrics.set_gauge(M.DRAM_USED_BYTES, capacity - free, {"pool": state.spec.name})
-        self._metrics.set_gauge(M.DRAM_CAPACITY_BYTES, capacity, {"pool": state.spec.name})
-
     def _gauges(self) -> None:
         for state in self._pools.values():
-            self._pool_gauges(state)
-        self._leases_gauge()
-
-    def _leases_gauge(self) -> None:
-        self._metrics.set_gauge(M.LEASES_HELD, len(self._leases), {"role": LeaseRole.SOURCE})
+            self._account.pool_gauges(state)
+        self._account.leases(len(self._leases))
 
     def _expire_leases(self, now: float) -> int:
         expired = self._leases.expire(now)
         for held in expired:
             self._drop_claims(held)
         if expired:
-            self._metrics.increment(M.LEASES_EXPIRED, len(expired))
-            self._leases_gauge()
+            self._account.leases(len(self._leases), expired=len(expired))
             self._quiet.notify_all()
         return len(expired)
 
@@ -696,7 +566,7 @@ class KvcrRunner:
         if self._closed:
             raise ClosedError(f"runner {self.config.name!r} is closed")
 
-    def _physical(self, pool: str) -> _Pool:
+    def _physical(self, pool: str) -> PoolState:
         state = self._pools.get(pool)
         if state is None:
             raise LayoutError(f"unknown pool {pool!r}; this runner has {sorted(self._pools)}")
@@ -704,52 +574,9 @@ class KvcrRunner:
             raise LayoutError(f"pool {pool!r} is logical: it holds no bytes to back up or restore")
         return state
 
-    def _host(self, state: _Pool) -> tuple[RegionDescriptor, ...]:
-        host = state.host
-        if host is None:
-            raise LayoutError(f"pool {state.spec.name!r} has no registered host regions")
-        return host
-
-    @staticmethod
-    def _check_batch(page_hashes: Sequence[str], host_slots: Sequence[int], host: tuple[RegionDescriptor, ...]) -> None:
-        if len(page_hashes) != len(host_slots):
-            raise LayoutError(f"{len(page_hashes)} page hashes but {len(host_slots)} host slots")
-        if not host_slots:
-            return
-        limit = host[0].count
-        low, high = min(host_slots), max(host_slots)
-        if low < 0 or high >= limit:
-            raise LayoutError(f"host slot {low if low < 0 else high} is outside the host pool's {limit} pages")
-
-    @staticmethod
-    def _moves(
-        dst_regions: Sequence[RegionDescriptor],
-        src_regions: Sequence[RegionDescriptor],
-        slot_pairs: Sequence[tuple[int, int]],
-    ) -> list[Move]:
-        """Merged moves for (dst slot, src slot) pairs across every component (one coalescing per pool)."""
-        runs = slot_runs((src, dst) for dst, src in slot_pairs)
-        moves: list[Move] = []
-        for dst, src in zip(dst_regions, src_regions, strict=True):
-            d_base, d_stride, s_base, s_stride, piece = dst.base, dst.stride, src.base, src.stride, dst.piece_bytes
-            if dst.dense and src.dense:
-                moves.extend(Move(d_base + d * d_stride, s_base + s * s_stride, n * piece) for s, d, n in runs)
-            else:
-                moves.extend(
-                    Move(d_base + (d + k) * d_stride, s_base + (s + k) * s_stride, piece)
-                    for s, d, n in runs
-                    for k in range(n)
-                )
-        return moves
-
-    def _evicted(self, state: _Pool, victims: list[str]) -> None:
-        if victims:
-            self._inventory.publish(InventoryEvent(InventoryKind.REMOVED, state.spec.name, tuple(victims)))
-            self._metrics.increment(M.EVICTED_PAGES, len(victims), {"pool": state.spec.name})
-
     def _finish_backup(
         self,
-        state: _Pool,
+        state: PoolState,
         fills: list[Fill],
         copied: bool,
         results: list[bool],
@@ -760,7 +587,6 @@ class KvcrRunner:
         stored = index.finish_fills(fills, copied)
         for i, _ in stored:
             results[i] = True
-        pool = state.spec.name
         if len(stored) == len(page_hashes):
             ready = list(page_hashes)  # the common batch: every page is new and now READY
         else:
@@ -771,37 +597,4 @@ class KvcrRunner:
                     results[i] = True  # also a page listed twice in one batch
         if ready:
             index.admit(ready)
-        for run in _contiguous_runs(stored):
-            first = run[0][0]
-            self._inventory.publish(
-                InventoryEvent(
-                    InventoryKind.STORED,
-                    pool,
-                    tuple(page for _, page in run),
-                    page_hashes[first - 1] if first else parent,
-                )
-            )
-        unstored = len(page_hashes) - len(ready)
-        failed_pages = len(fills) if not copied else 0
-        self._count(Path.BACKUP, state, ok=len(stored), miss=unstored - failed_pages, failed=failed_pages)
-        if failed_pages:
-            self._metrics.increment(M.FAILURES, 1, {"path": Path.BACKUP, "reason": FailureReason.COPY_ERROR})
-        elif unstored:
-            self._metrics.increment(M.FAILURES, 1, {"path": Path.BACKUP, "reason": FailureReason.NO_SPACE})
-        self._pool_gauges(state)
-
-
-def _seed(state: _Pool, page_hash: str) -> bytes:
-    """What a page's digest is bound to: its pool's namespace and its key."""
-    return f"{state.namespace}#{state.spec.name}#{page_hash}".encode()
-
-
-def _contiguous_runs(items: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
-    """Split (index, page) pairs into runs of consecutive indices."""
-    runs: list[list[tuple[int, str]]] = []
-    for item in items:
-        if runs and runs[-1][-1][0] + 1 == item[0]:
-            runs[-1].append(item)
-        else:
-            runs.append([item])
-    return runs
+        self._account.backup(state, page_hashes, parent, stored, len(ready), 0 if copied else len(fills))
