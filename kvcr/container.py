@@ -1,10 +1,12 @@
 """The composition root: the only module that knows which adapter implements which port.
 
-Build a runner (local tier only) or a node (runner + peer server and client) with::
+Build a runner (local tier only) or a node (runner + peer server and client), and the restorer an
+engine integration calls (local then remote, with the hit query's prefetch leases), with::
 
     container = build_container(RunnerConfig(...), transport="nixl", control="zmq", node=NodeSettings(...))
     runner = container.runner()
     node = container.node()
+    restorer = container.restorer()        # over the node; container.local_restorer() without one
 
 Typed inputs are ``providers.Dependency(instance_of=...)``: a wrong type fails where it is passed
 in, so nothing downstream re-checks it. Adapter choices (memory, clock, transport, control,
@@ -32,6 +34,8 @@ from dependency_injector import containers, providers
 
 from kvcr.runner.config import RunnerConfig
 from kvcr.runner.node import NodeSettings, RunnerNode
+from kvcr.runner.prefetch import PrefetchBook
+from kvcr.runner.restore import Restorer
 from kvcr.runner.runner import KvcrRunner
 
 if TYPE_CHECKING:
@@ -195,6 +199,14 @@ def _zmq_control(settings: NodeSettings, metrics: Metrics) -> ControlChannel:
     )
 
 
+def _prefetch_book(node: RunnerNode) -> PrefetchBook:
+    return PrefetchBook(node.client)
+
+
+def _restorer(node: RunnerNode, book: PrefetchBook) -> Restorer:
+    return Restorer(node.runner, node.client, book)
+
+
 class Container(containers.DeclarativeContainer):
     """Providers for one runner; ``config`` holds adapter names and is strict (a missing name is an error)."""
 
@@ -261,6 +273,9 @@ class Container(containers.DeclarativeContainer):
         metrics=metrics,
         settings=node_settings,
     )
+    prefetch_book = providers.Singleton(_prefetch_book, node)
+    restorer = providers.Singleton(_restorer, node, prefetch_book)
+    local_restorer = providers.Singleton(Restorer, runner, None, None)
 
 
 DEFAULTS = {

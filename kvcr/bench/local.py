@@ -22,8 +22,9 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from kvcr.adapters.local import InMemoryMetrics, MmapHostMemory, MonotonicClock, NullInventory
+from kvcr.adapters.local import MmapHostMemory
 from kvcr.bench.stats import markdown_table, timing
+from kvcr.container import build_container
 from kvcr.domain.keys import NamespaceSpec, page_hashes
 from kvcr.domain.layout import ComponentSpec, RegionDescriptor
 from kvcr.domain.pools import PoolSpec
@@ -59,9 +60,9 @@ def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
     def make_runner(verify_bytes: bool) -> KvcrRunner:
         namespace = NamespaceSpec("bench", 64, "bf16", "page_first")
         config = RunnerConfig("bench", namespace, (pool,), dram_bytes=pages * page_bytes, verify_bytes=verify_bytes)
-        return KvcrRunner(
-            config, memory=memory, clock=MonotonicClock(), metrics=InMemoryMetrics(), inventory=NullInventory()
-        )
+        container = build_container(config)
+        container.memory.override(memory)  # both runners and the baseline share one memory adapter
+        return container.runner()
 
     runner, checking = make_runner(False), make_runner(True)
     host_pages = 2 * pages

@@ -98,3 +98,34 @@ def test_a_routable_bind_without_a_token_needs_an_explicit_opt_in():
     NodeSettings("10.1.2.3", 5000, allow_unauthenticated=True)
     NodeSettings("127.0.0.1", 5000)
     NodeSettings("::1", 5000)
+
+
+def test_the_restorer_the_container_builds_reads_from_peers_and_the_local_one_does_not():
+    from kvcr.runner.node import NodeSettings
+    from kvcr.runner.restore import Source
+    from tests.support import HostPool, content, sequence
+
+    pool = kv_pool()
+    choices = dict(memory="mock", transport="mock", control="mock")
+    a = build_container(runner_config((pool,), 16, name="A"), node=NodeSettings("127.0.0.1", 7200), **choices)
+    b = build_container(runner_config((pool,), 8, name="B"), node=NodeSettings("127.0.0.1", 7300), **choices)
+    b.fabric.override(a.fabric())
+    node_a, node_b = a.node(), b.node()
+    host_a, host_b = HostPool(pool, 8), HostPool(pool, 8)
+    node_a.register_host_pool("kv", host_a.regions)
+    node_b.register_host_pool("kv", host_b.regions)
+    pages = sequence(2)
+    for i, page in enumerate(pages):
+        host_a.write_page(i, content(page, pool.page_bytes))
+    assert all(node_a.runner.backup("kv", pages, [0, 1]))
+    source = {"kv": Source(node_a.endpoint)}
+    try:
+        restorer = b.restorer()
+        assert restorer is b.restorer() and b.prefetch_book() is b.prefetch_book()
+        assert b.local_restorer().presence(pages, ["kv"], source) == {"kv": [False, False]}
+        assert restorer.presence(pages, ["kv"], source, request="r1") == {"kv": [True, True]}
+        assert restorer.read({"kv": (pages, [3, 4])}, source).restored == {"kv": [True, True]}
+        assert host_b.read_page(4) == content(pages[1], pool.page_bytes)
+    finally:
+        node_a.close()
+        node_b.close()

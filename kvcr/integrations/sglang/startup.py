@@ -34,7 +34,6 @@ from kvcr.ports.metrics import Metrics
 from kvcr.runner.config import RunnerConfig
 from kvcr.runner.node import NodeSettings, RunnerNode
 from kvcr.runner.peer_client import PeerSettings
-from kvcr.runner.prefetch import PrefetchBook
 from kvcr.runner.restore import Restorer
 from kvcr.runner.runner import KvcrRunner
 
@@ -217,8 +216,7 @@ def start(
         raise
     metrics = container.metrics()
     metrics.set_gauge(MetricName.BUILD_INFO, 1, {"version": __version__, "transport": settings.transport})
-    book = PrefetchBook(node.client) if node is not None else None
-    restorer = Restorer(runner, node.client if node is not None else None, book)
+    restorer = container.restorer() if node is not None else container.local_restorer()
     log.info(
         "kvcr started: namespace %s, pools %s, endpoint %s, kv events %s",
         runner.namespace,
