@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kvcr.domain.errors import KvcrError
+from kvcr.domain.transports import CROSS_PROCESS
 from kvcr.domain.units import format_byte_size, parse_byte_size
 
 
@@ -83,7 +84,7 @@ def _batches(text: str) -> list[int]:
 
 def _transports(text: str) -> list[str]:
     transports = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [t for t in transports if t not in ("nixl", "ucx")]
+    unknown = [t for t in transports if t not in CROSS_PROCESS]
     if not transports or unknown:
         raise KvcrError(f"--transport: give nixl, ucx or both (nixl,ucx), got {text!r}")
     return list(dict.fromkeys(transports))
@@ -441,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default=None, help="keep the processes' logs and reports here")
     demo.add_argument("--quiet", action="store_true", help="print only failures and the final table")
     demo.add_argument(
-        "--transport", choices=("nixl", "ucx"), default="nixl", help="the workers' data plane for peer reads"
+        "--transport", choices=CROSS_PROCESS, default="nixl", help="the workers' data plane for peer reads"
     )
     demo.add_argument(
         "--metrics-port",

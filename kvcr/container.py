@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from dependency_injector import containers, providers
 
+from kvcr.domain.transports import TRANSPORT_NAMES, Transport
 from kvcr.runner.config import RunnerConfig
 from kvcr.runner.node import NodeSettings, RunnerNode
 from kvcr.runner.prefetch import PrefetchBook
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from kvcr.ports.memory import HostMemory
     from kvcr.ports.metrics import Metrics
 
-TRANSPORTS = ("nixl", "ucx", "mock")
+TRANSPORTS = TRANSPORT_NAMES
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +283,7 @@ DEFAULTS = {
     "memory": "mmap",
     "clock": "monotonic",
     "inventory": "none",
-    "transport": "nixl",
+    "transport": Transport.NIXL.value,
     "control": "zmq",
     "metrics": "memory",
 }

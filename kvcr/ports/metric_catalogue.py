@@ -28,6 +28,7 @@ from typing import Literal
 from kvcr import __version__
 from kvcr.domain.errors import KvcrError
 from kvcr.domain.hints import Rejection
+from kvcr.domain.transports import Transport
 
 
 class Kind(str, enum.Enum):
@@ -130,14 +131,6 @@ class Lookup(str, enum.Enum):
 
     HIT = "hit"
     MISS = "miss"
-
-
-class Transport(str, enum.Enum):
-    """The data planes kvcr ships (``transport`` setting)."""
-
-    NIXL = "nixl"
-    UCX = "ucx"
-    MOCK = "mock"
 
 
 class LeaseRole(str, enum.Enum):

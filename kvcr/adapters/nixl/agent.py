@@ -9,18 +9,37 @@ config, swapped in for this agent's name only (docs/nixl-behaviour.md, section 5
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvcr.domain.errors import KvcrError
 from kvcr.ports.errors import TransportError
 
 if TYPE_CHECKING:
     from kvcr.adapters.nixl.probe import ZeroCopyReport
 
 _build_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def nixl_errors(what: str, error: type[TransportError] = TransportError) -> Iterator[None]:
+    """Turn whatever NIXL raises inside into ``error``, its message prefixed with ``what``.
+
+    NIXL's Python API raises plain exceptions (its bindings' own types, RuntimeError, ValueError);
+    no Python exception type may reach kvcr's callers, so every NIXL call that can only succeed
+    or fail runs inside this. kvcr's own errors pass through unchanged.
+    """
+    try:
+        yield
+    except KvcrError:
+        raise
+    except Exception as exc:
+        raise error(f"{what}: {exc}") from exc
 
 
 def build_agent(
@@ -41,7 +60,7 @@ def build_agent(
     except ImportError as exc:
         raise TransportError(f"NIXL is not installed (pip install nixl-cu13==1.5.1 --no-deps): {exc}") from exc
     _quiet_nixl_logging()
-    try:
+    with nixl_errors(f"cannot create NIXL agent {name!r} with UCX {params}"):
         config = nixl_agent_config(enable_prog_thread=wake_s is not None, enable_listen_thread=False, backends=[])
         if wake_s is None:
             agent = nixl_agent(name, config)
@@ -65,10 +84,6 @@ def build_agent(
         if "UCX" not in agent.get_plugin_list():
             raise TransportError("NIXL has no UCX plugin")
         agent.create_backend("UCX", params)
-    except TransportError:
-        raise
-    except Exception as exc:
-        raise TransportError(f"cannot create NIXL agent {name!r} with UCX {params}: {exc}") from exc
     peer_errors = (_bindings.nixlRemoteDisconnectError, _bindings.nixlNotFoundError)
     return agent, numpy, peer_errors
 

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvcr.adapters.nixl import wire
-from kvcr.adapters.nixl.agent import build_agent, transport_report, ucx_environment
+from kvcr.adapters.nixl.agent import build_agent, nixl_errors, transport_report, ucx_environment
 from kvcr.adapters.nixl.wire import Description, Extent
 from kvcr.domain.errors import KvcrError
 from kvcr.domain.layout import PieceRun, RegionDescriptor
@@ -164,11 +164,9 @@ class NixlDataPlane:
         self._beacon_digest = _digest(self._beacon.raw)
         self._scratch = ctypes.create_string_buffer(BEACON_BYTES * SCRATCH_SLOTS)
         self._free_slots = list(range(SCRATCH_SLOTS))
-        try:
+        with nixl_errors(f"{name}: cannot register memory with NIXL"):
             self._beacon_registration = self._register_extent(ctypes.addressof(self._beacon), BEACON_BYTES)
             self._scratch_registration = self._register_extent(ctypes.addressof(self._scratch), len(self._scratch))
-        except Exception as exc:
-            raise TransportError(f"{name}: cannot register memory with NIXL: {exc}") from exc
         # The zero-copy probe takes a moment: begin it now so the first connect (on an engine's
         # first hit query) does not wait for it.
         params = dict(self._params)
@@ -291,14 +289,10 @@ class NixlDataPlane:
             if link is not None and link.description == description and link.info is not None:
                 link.closing = False
                 return link.info
-            try:
+            with nixl_errors(f"{self._name}: cannot connect to {name!r}", PeerUnavailable):
                 if name != self._name:
                     self._load(name, desc.metadata)
                 dlist = self._prep(name, rows) if rows else None
-            except PeerUnavailable:
-                raise
-            except Exception as exc:
-                raise PeerUnavailable(f"{self._name}: cannot connect to {name!r}: {exc}") from exc
             if link is not None:  # same incarnation, new region table: the old list may be in use
                 self._retire(link.dlist)
                 link.description, link.extents, link.dlist, link.closing = description, extents, dlist, False
@@ -498,10 +492,8 @@ class NixlDataPlane:
         """Release the NIXL handle (on a live one this only stops us from watching it)."""
         xfer, transfer.xfer = transfer.xfer, None
         if xfer is not None:
-            try:
+            with nixl_errors(f"{self._name}: NIXL refused to release a transfer"):
                 xfer.release()
-            except Exception as exc:
-                raise TransportError(f"{self._name}: NIXL refused to release a transfer: {exc}") from exc
 
     def _after_end(self, transfer: _Transfer) -> None:
         """A transfer ended (or was released): free what waited on it."""

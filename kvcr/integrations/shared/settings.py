@@ -21,10 +21,11 @@ from kvcr.domain.endpoints import WILDCARD_HOSTS
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.eviction import POLICIES
 from kvcr.domain.hints import Endpoint
+from kvcr.domain.transports import TRANSPORT_NAMES
 from kvcr.domain.units import parse_byte_size
 from kvcr.runner.peer_client import LANDINGS
 
-TRANSPORTS = ("nixl", "ucx", "mock")
+TRANSPORTS = TRANSPORT_NAMES
 MIN_TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 4096
 # A token of fewer distinct bytes than this is not random (``aaaa...``, ``0000...``, ``abababab...``):
