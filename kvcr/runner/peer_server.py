@@ -58,6 +58,23 @@ MAX_TRACKED_NONCES = 1 << 20
 _LOG_EVERY_S = 10.0
 
 
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What a source remembers at most, so no peer can make it hold more (tests shrink them).
+
+    max_sessions: open sessions, least recently used dropped first.
+    max_nonces: nonces per session, and HELLO nonces: past this a session is dropped (its peer
+        says HELLO again) and the oldest HELLO nonces are forgotten.
+    max_tracked_nonces: nonces across all sessions.
+    max_release_ids: lease ids one RELEASE may name; the rest are ignored.
+    """
+
+    max_sessions: int = MAX_SESSIONS
+    max_nonces: int = MAX_NONCES
+    max_tracked_nonces: int = MAX_TRACKED_NONCES
+    max_release_ids: int = MAX_RELEASE_IDS
+
+
 @dataclass
 class _Session:
     sender: str
@@ -82,10 +99,10 @@ class PeerServer:
         arena_ids: Mapping[str, Sequence[int]],
         metrics: Metrics,
         *,
-        max_tracked_nonces: int = MAX_TRACKED_NONCES,
+        limits: ServerLimits | None = None,
     ) -> None:
         self._runner = runner
-        self._max_tracked = max_tracked_nonces
+        self._limits = limits or ServerLimits()
         self._tracked = 0  # nonces held by the sessions in self._sessions
         self._data_plane = data_plane
         self._metrics = metrics
@@ -155,12 +172,12 @@ class PeerServer:
             else:
                 replayed = False
                 self._hello_nonces[request.nonce] = None
-                while len(self._hello_nonces) > MAX_NONCES:
+                while len(self._hello_nonces) > self._limits.max_nonces:
                     self._hello_nonces.popitem(last=False)
                 pool_ids = {p.pool_id: p.name for p in pools}
                 holder = _holder(connection)
                 self._sessions[session_id] = _Session(request.sender[:128], connection, holder, pool_ids)
-            while len(self._sessions) > MAX_SESSIONS:
+            while len(self._sessions) > self._limits.max_sessions:
                 self._drop_oldest_session()
         if replayed:
             return self._refusal(request.nonce, RefusalCode.REPLAYED)
@@ -184,9 +201,9 @@ class PeerServer:
                 if not replayed:
                     session.nonces.add(request.nonce)
                     self._tracked += 1
-                    if len(session.nonces) > MAX_NONCES:
+                    if len(session.nonces) > self._limits.max_nonces:
                         self._drop_session(request.session)  # the peer opens a fresh session
-                    while self._tracked > self._max_tracked and len(self._sessions) > 1:
+                    while self._tracked > self._limits.max_tracked_nonces and len(self._sessions) > 1:
                         self._drop_oldest_session()
         if session is None:
             # The same answer as for a session that does not exist: the peer learns nothing from it.
@@ -226,7 +243,7 @@ class PeerServer:
                 foreign = True
             else:
                 foreign = False
-                ids = [i for i in request.lease_ids[:MAX_RELEASE_IDS] if i in session.leases]
+                ids = [i for i in request.lease_ids[: self._limits.max_release_ids] if i in session.leases]
                 session.leases.difference_update(ids)
         if foreign:
             self._count_refusal(RefusalReason.FOREIGN_SESSION)  # one-way: nothing goes back
@@ -261,7 +278,7 @@ class PeerServer:
 
     @property
     def tracked_nonces(self) -> int:
-        """Nonces remembered across all sessions (bounded by ``max_tracked_nonces``)."""
+        """Nonces remembered across all sessions (bounded by ``limits.max_tracked_nonces``)."""
         with self._lock:
             return self._tracked
 

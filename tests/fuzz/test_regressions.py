@@ -151,7 +151,7 @@ def test_the_nonces_a_server_remembers_are_bounded_across_sessions():
 
     from kvcr.adapters.local import InMemoryMetrics
     from kvcr.adapters.mock import MockDataPlane
-    from kvcr.runner.peer_server import PeerServer
+    from kvcr.runner.peer_server import PeerServer, ServerLimits
     from kvcr.runner.protocol import HelloReply, LeaseReply
 
     cluster = Cluster()
@@ -159,7 +159,7 @@ def test_the_nonces_a_server_remembers_are_bounded_across_sessions():
         runner = cluster.node("A").runner
         plane = MockDataPlane(cluster.fabric, "budget", cluster.clock)
         arena_ids = {pool: plane.register(regions, exposed=True) for pool, regions in runner.pool_arenas().items()}
-        server = PeerServer(runner, plane, arena_ids, InMemoryMetrics(), max_tracked_nonces=50)
+        server = PeerServer(runner, plane, arena_ids, InMemoryMetrics(), limits=ServerLimits(max_tracked_nonces=50))
         namespaces = dict(runner.namespaces)
 
         def ask(message):

@@ -185,7 +185,7 @@ def test_a_peer_whose_data_plane_cannot_be_reached_is_skipped(cluster, caplog):
     assert b.client.links == 0
 
 
-def test_connecting_a_data_plane_gets_the_rest_of_the_deadline_at_most_connect_s(cluster, monkeypatch):
+def test_connecting_a_data_plane_gets_the_rest_of_the_deadline_at_most_connect_s(cluster):
     a = cluster.make("A")
     b = cluster.make("B", timing=Timing(operation_s=2.0, abandon_s=4.0, control_s=0.25, connect_s=1.5))
     seen = []
@@ -195,11 +195,11 @@ def test_connecting_a_data_plane_gets_the_rest_of_the_deadline_at_most_connect_s
         seen.append(timeout_s)
         return real(description, timeout_s)
 
-    monkeypatch.setattr(b.data_plane, "connect", connect)
+    b.data_plane.intercept("connect", connect)
     b.client.lease(a.endpoint, [("kv", sequence(1))])
     assert seen == [1.5]
     slow = cluster.make("C", timing=Timing(operation_s=0.6, abandon_s=4.0, control_s=0.25, connect_s=1.5))
-    monkeypatch.setattr(slow.data_plane, "connect", connect)
+    slow.data_plane.intercept("connect", connect)
     slow.client.lease(a.endpoint, [("kv", sequence(1))])
     assert seen[1] == pytest.approx(0.6)  # the operation deadline is the tighter bound
 
@@ -249,7 +249,7 @@ def test_a_lease_of_the_old_incarnation_is_a_miss_and_the_new_one_that_answered_
     assert b.client.lease(a2.endpoint, [("kv", pages)]) is not None
 
 
-def test_an_old_incarnations_read_failing_after_the_new_one_answered_hello_skips_nothing(cluster, caplog, monkeypatch):
+def test_an_old_incarnations_read_failing_after_the_new_one_answered_hello_skips_nothing(cluster, caplog):
     a, b = cluster.make("A"), cluster.make("B")
     pages = sequence(2)
     seed(a, pages, [0, 1])
@@ -264,7 +264,7 @@ def test_an_old_incarnations_read_failing_after_the_new_one_answered_hello_skips
             later["lease"] = b.client.lease(a.endpoint, [("kv", pages[1:])])
         return handle
 
-    monkeypatch.setattr(b.data_plane, "read", restart_while_reading)
+    b.data_plane.intercept("read", restart_while_reading)
     with caplog.at_level(logging.INFO):
         stale = b.client.read(old, [PoolRead("kv", pages[:1], [5])])
         assert not any(o.restored for o in stale["kv"])
@@ -440,7 +440,7 @@ def test_a_lease_without_a_link_or_already_released_reads_nothing(cluster):
     assert reasons(result) == ["lease released"] and reasons(result, "indexer") == ["lease released"]
 
 
-def test_a_lease_past_its_usable_end_reads_nothing_and_posts_nothing(cluster, monkeypatch):
+def test_a_lease_past_its_usable_end_reads_nothing_and_posts_nothing(cluster):
     a, b = cluster.make("A"), cluster.make("B", peer=PeerSettings(max_pages_per_read=1))
     pages = sequence(2)
     seed(a, pages, [0, 1])
@@ -448,20 +448,20 @@ def test_a_lease_past_its_usable_end_reads_nothing_and_posts_nothing(cluster, mo
     cluster.clock.advance(lease.usable_until(TIMING.lease_margin_s) - cluster.clock.now())  # exactly its end
     assert not b.client.alive(lease)
     posted = []
-    monkeypatch.setattr(b.data_plane, "read", lambda *args, **kw: posted.append(args) or 0)
+    b.data_plane.intercept("read", lambda *args, **kw: posted.append(args) or 0)
     result = b.client.read(lease, [PoolRead("kv", pages, [5, 6])])
     assert reasons(result) == ["lease expired before the read", "source does not hold it"]
     assert posted == []
 
 
-def test_a_failed_transfer_stops_the_read_and_posts_nothing_more(cluster, monkeypatch):
+def test_a_failed_transfer_stops_the_read_and_posts_nothing_more(cluster):
     a = cluster.make("A", faults=Faults(error=True))
     b = cluster.make("B", peer=PeerSettings(max_pages_per_read=1))
     pages = sequence(3)
     seed(a, pages, [0, 1, 2])
     posted = []
     real = b.data_plane.read
-    monkeypatch.setattr(b.data_plane, "read", lambda *args, **kw: posted.append(args) or real(*args, **kw))
+    b.data_plane.intercept("read", lambda *args, **kw: posted.append(args) or real(*args, **kw))
     result = b.client.restore(a.endpoint, [PoolRead("kv", pages, [5, 6, 7])])
     assert [o.outcome for o in result["kv"]] == [Outcome.FAILED, Outcome.MISS, Outcome.MISS]
     assert reasons(result)[0] == "read failed" and len(posted) == 1
@@ -552,17 +552,11 @@ def test_a_staged_read_lands_every_chunk_and_copies_only_verified_pages(cluster)
     assert [b.hosts["kv"].read_page(s) for s in (11, 12, 13)] == [content(p, KV.page_bytes) for p in pages[1:]]
 
 
-def test_a_failed_copy_out_of_staging_fails_the_chunk(cluster, monkeypatch):
-    from kvcr.ports.errors import MemoryCopyError
-
+def test_a_failed_copy_out_of_staging_fails_the_chunk(cluster):
     a = cluster.make("A")
     b = cluster.make("B", peer=PeerSettings(landing="staged"))
     seed(a, sequence(2), [0, 1])
-
-    def broken(moves):
-        raise MemoryCopyError("injected")
-
-    monkeypatch.setattr(b.container.memory(), "copy", broken)
+    b.container.memory().fail_after_moves = 0  # every copy of B's now fails, as its staged copy will
     result = b.client.restore(a.endpoint, [PoolRead("kv", sequence(2), [5, 6])])
     assert reasons(result) == ["staged copy failed"] * 2
 
@@ -596,13 +590,13 @@ def test_a_pool_short_of_staging_gives_back_the_buffers_the_other_pools_took(clu
 # ---------------------------------------------------------------------------------------------- links
 
 
-def test_links_beyond_max_links_close_the_least_recently_used(cluster, monkeypatch):
+def test_links_beyond_max_links_close_the_least_recently_used(cluster):
     sources = [cluster.make(n) for n in ("A", "C", "D")]
     b = cluster.make("B", peer=PeerSettings(max_links=2))
     dropped, disconnected = [], []
-    monkeypatch.setattr(b.control, "forget", dropped.append)
+    b.control.intercept("forget", dropped.append)
     real = b.data_plane.disconnect
-    monkeypatch.setattr(b.data_plane, "disconnect", lambda peer: disconnected.append(peer) or real(peer))
+    b.data_plane.intercept("disconnect", lambda peer: disconnected.append(peer) or real(peer))
     for s in sources[:2]:
         seed(s, sequence(1), [0])
         b.client.lease(s.endpoint, [("kv", sequence(1))])
@@ -615,14 +609,14 @@ def test_links_beyond_max_links_close_the_least_recently_used(cluster, monkeypat
     assert b.client.links == 2 and dropped == [sources[1].endpoint] and disconnected == ["C"]
 
 
-def test_idle_links_close_once_idle_for_link_idle_s(cluster, monkeypatch):
+def test_idle_links_close_once_idle_for_link_idle_s(cluster):
     a, c = cluster.make("A"), cluster.make("C")
     b = cluster.make("B", peer=PeerSettings(link_idle_s=30.0))
     for s in (a, c):
         seed(s, sequence(1), [0])
     disconnected = []
     real = b.data_plane.disconnect
-    monkeypatch.setattr(b.data_plane, "disconnect", lambda peer: disconnected.append(peer) or real(peer))
+    b.data_plane.intercept("disconnect", lambda peer: disconnected.append(peer) or real(peer))
     b.client.lease(a.endpoint, [("kv", sequence(1))])
     b.client.lease(a.endpoint, [("kv", sequence(1))])  # used twice
     cluster.clock.advance(30.0)  # exactly idle for link_idle_s
@@ -630,13 +624,13 @@ def test_idle_links_close_once_idle_for_link_idle_s(cluster, monkeypatch):
     assert disconnected == ["A"] and b.client.links == 1
 
 
-def test_close_drops_every_link(cluster, monkeypatch):
+def test_close_drops_every_link(cluster):
     a = cluster.make("A")
     b = cluster.make("B")
     seed(a, sequence(1), [0])
     b.client.lease(a.endpoint, [("kv", sequence(1))])
     forgotten = []
-    monkeypatch.setattr(b.control, "forget", forgotten.append)
+    b.control.intercept("forget", forgotten.append)
     b.client.close()
     assert forgotten == [a.endpoint] and b.client.links == 0
 
@@ -739,13 +733,13 @@ def test_a_grant_whose_every_slot_is_unusable_is_released(cluster):
     assert a.runner.active_leases == 0
 
 
-def test_a_read_is_posted_under_its_lease(cluster, monkeypatch):
+def test_a_read_is_posted_under_its_lease(cluster):
     a, b = cluster.make("A"), cluster.make("B")
     seed(a, sequence(1), [0])
     lease = b.client.lease(a.endpoint, [("kv", sequence(1))])
     seen = []
     real = b.data_plane.read
-    monkeypatch.setattr(b.data_plane, "read", lambda peer, runs, **kw: seen.append(kw) or real(peer, runs, **kw))
+    b.data_plane.intercept("read", lambda peer, runs, **kw: seen.append(kw) or real(peer, runs, **kw))
     b.client.read(lease, [PoolRead("kv", sequence(1), [5])])
     assert seen == [{"lease": lease.lease_id}]
 
@@ -768,14 +762,14 @@ def test_a_read_completing_only_at_the_lease_end_is_refused(cluster):
     assert b.hosts["kv"].read_page(5) == content(sequence(1)[0], KV.page_bytes)  # landed, but not handed over
 
 
-def test_a_failed_read_skips_the_peer_and_drops_its_link(cluster, caplog, monkeypatch):
+def test_a_failed_read_skips_the_peer_and_drops_its_link(cluster, caplog):
     a = cluster.make("A", faults=Faults(error=True))
     b = cluster.make("B")
     seed(a, sequence(1), [0])
     dropped, forgotten = [], []
     real = b.data_plane.disconnect
-    monkeypatch.setattr(b.data_plane, "disconnect", lambda peer: dropped.append(peer) or real(peer))
-    monkeypatch.setattr(b.control, "forget", forgotten.append)
+    b.data_plane.intercept("disconnect", lambda peer: dropped.append(peer) or real(peer))
+    b.control.intercept("forget", forgotten.append)
     with caplog.at_level(logging.INFO, logger="kvcr.runner"):
         b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])
     assert skipped(caplog, a.endpoint) == ["read failed"]
@@ -783,13 +777,13 @@ def test_a_failed_read_skips_the_peer_and_drops_its_link(cluster, caplog, monkey
     assert forgotten == [a.endpoint]  # its control connection goes too
 
 
-def test_a_stalled_read_that_will_not_cancel_tears_the_link_down_and_skips_the_peer(cluster, caplog, monkeypatch):
+def test_a_stalled_read_that_will_not_cancel_tears_the_link_down_and_skips_the_peer(cluster, caplog):
     a = cluster.make("A", faults=Faults(stall=True, uncertain_cancel=True))
     b = cluster.make("B", peer=PeerSettings(landing="direct"))
     seed(a, sequence(1), [0])
     dropped = []
     real = b.data_plane.disconnect
-    monkeypatch.setattr(b.data_plane, "disconnect", lambda peer: dropped.append(peer) or real(peer))
+    b.data_plane.intercept("disconnect", lambda peer: dropped.append(peer) or real(peer))
     with caplog.at_level(logging.INFO, logger="kvcr.runner"):
         result = b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])
     assert reasons(result) == ["read timed out"]  # the disconnect fenced it: a failure, not uncertain
@@ -797,18 +791,18 @@ def test_a_stalled_read_that_will_not_cancel_tears_the_link_down_and_skips_the_p
     assert dropped == ["A"]
 
 
-def test_a_transport_that_reports_uncertain_while_reading_is_waited_out(cluster, monkeypatch):
+def test_a_transport_that_reports_uncertain_while_reading_is_waited_out(cluster):
     from kvcr.ports.dataplane import TransferState
 
     a = cluster.make("A")
     b = cluster.make("B")
     seed(a, sequence(1), [0])
-    monkeypatch.setattr(b.data_plane, "poll", lambda handle: TransferState.UNCERTAIN)
+    b.data_plane.intercept("poll", lambda handle: TransferState.UNCERTAIN)
     result = b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])
     assert reasons(result) == ["read timed out"]
 
 
-def test_a_disconnect_that_fails_does_not_stop_closing(cluster, monkeypatch):
+def test_a_disconnect_that_fails_does_not_stop_closing(cluster):
     from kvcr.ports.errors import TransportError
 
     a, b = cluster.make("A"), cluster.make("B")
@@ -818,18 +812,18 @@ def test_a_disconnect_that_fails_does_not_stop_closing(cluster, monkeypatch):
     def broken(peer):
         raise TransportError("gone")
 
-    monkeypatch.setattr(b.data_plane, "disconnect", broken)
+    b.data_plane.intercept("disconnect", broken)
     b.client.close()
     assert b.client.links == 0
 
 
-def test_idle_links_are_dropped_and_fresh_ones_kept(cluster, monkeypatch):
+def test_idle_links_are_dropped_and_fresh_ones_kept(cluster):
     a, c, d = cluster.make("A"), cluster.make("C"), cluster.make("D")
     b = cluster.make("B", peer=PeerSettings(link_idle_s=30.0))
     for s in (a, c, d):
         seed(s, sequence(1), [0])
     forgotten = []
-    monkeypatch.setattr(b.control, "forget", forgotten.append)
+    b.control.intercept("forget", forgotten.append)
     b.client.lease(a.endpoint, [("kv", sequence(1))])
     cluster.clock.advance(20.0)
     b.client.lease(d.endpoint, [("kv", sequence(1))])
@@ -893,7 +887,7 @@ def test_a_read_under_a_lease_whose_link_was_evicted_is_a_miss_at_once(cluster):
     assert reasons(result) == ["peer unavailable"] and cluster.clock.now() == start
 
 
-def test_two_reads_stalled_on_one_link_both_give_up_with_an_outcome(cluster, monkeypatch):
+def test_two_reads_stalled_on_one_link_both_give_up_with_an_outcome(cluster):
     a = cluster.make("A", faults=Faults(stall=True, late_writes=True))
     b = cluster.make("B")  # auto: late writes mean staged
     pages = sequence(2)
@@ -907,7 +901,7 @@ def test_two_reads_stalled_on_one_link_both_give_up_with_an_outcome(cluster, mon
         both_posted.wait(timeout=5)  # neither gives up before the other's read is live
         return handle
 
-    monkeypatch.setattr(b.data_plane, "read", read_then_wait)
+    b.data_plane.intercept("read", read_then_wait)
     results: dict[int, object] = {}
 
     def read(i):
@@ -924,7 +918,7 @@ def test_two_reads_stalled_on_one_link_both_give_up_with_an_outcome(cluster, mon
     assert results == {0: ["read stalled (staged, quarantined)"], 1: ["read stalled (staged, quarantined)"]}
 
 
-def test_a_quarantined_read_whose_poll_fails_does_not_keep_the_others_from_being_reaped(cluster, monkeypatch):
+def test_a_quarantined_read_whose_poll_fails_does_not_keep_the_others_from_being_reaped(cluster):
     a = cluster.make("A", faults=Faults(stall=True, late_writes=True))
     b = cluster.make("B", peer=PeerSettings(landing="direct"))
     pages = sequence(2)
@@ -944,7 +938,7 @@ def test_a_quarantined_read_whose_poll_fails_does_not_keep_the_others_from_being
             raise TransportError("injected")
         return real(handle)
 
-    monkeypatch.setattr(b.data_plane, "poll", poll)
+    b.data_plane.intercept("poll", poll)
     assert b.client.reap() == 1  # the one whose poll failed is kept for the next reap; the other is released
     assert b.client.reap() == 0
 

@@ -12,8 +12,8 @@ import pytest
 from kvcr.adapters.local import InMemoryMetrics, MonotonicClock, RecordingInventory
 from kvcr.adapters.mock import MockDataPlane, MockFabric, MockHostMemory
 from kvcr.domain.layout import PieceRun
-from kvcr.runner import peer_server, protocol
-from kvcr.runner.peer_server import PeerServer
+from kvcr.runner import protocol
+from kvcr.runner.peer_server import PeerServer, ServerLimits
 from kvcr.runner.protocol import (
     MAX_LEASE_PAGES,
     MAX_POOLS,
@@ -25,7 +25,8 @@ from kvcr.runner.protocol import (
     Refused,
     Release,
 )
-from tests.support import HostPool, content, indexer_pool, kv_pool, make_runner, sequence
+from kvcr.runner.runner import KvcrRunner
+from tests.support import HostPool, content, indexer_pool, kv_pool, runner_config, sequence
 
 POOLS = (kv_pool(), indexer_pool())
 FILLER = {f"p{i}": "x" for i in range(MAX_POOLS)}  # with "kv": one pool too many for a HELLO
@@ -47,19 +48,38 @@ class Recording(MockDataPlane):
 
 
 @pytest.fixture
-def source():
-    memory = MockHostMemory()
-    metrics = InMemoryMetrics(strict=True)
-    runner = make_runner(POOLS, 16, memory, MonotonicClock(), metrics, RecordingInventory())
-    hosts = {p.name: HostPool(p, 32) for p in POOLS}
-    for name, host in hosts.items():
-        runner.register_host_pool(name, host.regions)
-    plane = Recording(MockFabric(), "A", MonotonicClock())
-    ids = {pool: plane.register(regions, exposed=True) for pool, regions in runner.pool_arenas().items()}
-    server = PeerServer(runner, plane, ids, metrics)
-    server.runner, server.plane, server.ids, server.metrics, server.hosts = runner, plane, ids, metrics, hosts
-    yield server
-    runner.close()
+def sources():
+    """sources(limits=...) -> a peer server over its own runner, host pools and recording data plane."""
+    made = []
+
+    def build(limits=None, runner_type=KvcrRunner):
+        memory = MockHostMemory()
+        metrics = InMemoryMetrics(strict=True)
+        runner = runner_type(
+            runner_config(POOLS, 16),
+            memory=memory,
+            clock=MonotonicClock(),
+            metrics=metrics,
+            inventory=RecordingInventory(),
+        )
+        made.append(runner)
+        hosts = {p.name: HostPool(p, 32) for p in POOLS}
+        for name, host in hosts.items():
+            runner.register_host_pool(name, host.regions)
+        plane = Recording(MockFabric(), "A", MonotonicClock())
+        ids = {pool: plane.register(regions, exposed=True) for pool, regions in runner.pool_arenas().items()}
+        server = PeerServer(runner, plane, ids, metrics, limits=limits or ServerLimits())
+        server.runner, server.plane, server.ids, server.metrics, server.hosts = runner, plane, ids, metrics, hosts
+        return server
+
+    yield build
+    for runner in made:
+        runner.close()
+
+
+@pytest.fixture
+def source(sources):
+    return sources()
 
 
 def nonce():
@@ -136,8 +156,8 @@ def test_a_hello_nonce_is_accepted_once_and_must_be_16_bytes(source):
     assert refused(source, "malformed") == 1
 
 
-def test_remembered_hello_nonces_are_bounded_oldest_first(source, monkeypatch):
-    monkeypatch.setattr(peer_server, "MAX_NONCES", 3)
+def test_remembered_hello_nonces_are_bounded_oldest_first(sources):
+    source = sources(ServerLimits(max_nonces=3))
     sent = [nonce() for _ in range(4)]
     for n in sent:
         assert isinstance(hello(source, sent=n), HelloReply)
@@ -147,8 +167,8 @@ def test_remembered_hello_nonces_are_bounded_oldest_first(source, monkeypatch):
     assert isinstance(hello(source, sent=sent[1]), HelloReply)
 
 
-def test_open_sessions_are_bounded_least_recently_used_first(source, monkeypatch):
-    monkeypatch.setattr(peer_server, "MAX_SESSIONS", 2)
+def test_open_sessions_are_bounded_least_recently_used_first(sources):
+    source = sources(ServerLimits(max_sessions=2))
     store(source, sequence(1))
     first, second = hello(source).session, hello(source).session
     lease = ask(source, Lease(nonce(), first, 1000, [(1, sequence(1))]))  # touching `first` makes it the newest
@@ -209,8 +229,8 @@ def test_a_lease_nonce_is_accepted_once_per_session(source):
     assert ask(source, Lease(short, session, 1000, [(1, sequence(1))])) == Refused(b"", int(RefusalCode.MALFORMED))
 
 
-def test_a_session_is_dropped_once_it_has_used_too_many_nonces(source, monkeypatch):
-    monkeypatch.setattr(peer_server, "MAX_NONCES", 2)
+def test_a_session_is_dropped_once_it_has_used_too_many_nonces(sources):
+    source = sources(ServerLimits(max_nonces=2))
     store(source, sequence(1))
     session = hello(source).session
     for _ in range(2):
@@ -221,7 +241,9 @@ def test_a_session_is_dropped_once_it_has_used_too_many_nonces(source, monkeypat
 
 
 def budgeted(source, max_tracked):
-    server = PeerServer(source.runner, source.plane, source.ids, InMemoryMetrics(), max_tracked_nonces=max_tracked)
+    server = PeerServer(
+        source.runner, source.plane, source.ids, InMemoryMetrics(), limits=ServerLimits(max_tracked_nonces=max_tracked)
+    )
     server.runner = source.runner
     return server
 
@@ -298,8 +320,8 @@ def test_release_ends_only_the_sessions_own_leases(source):
     assert ask(source, Release(mine, [granted.lease_id])) is None  # twice is harmless
 
 
-def test_a_release_names_at_most_max_release_ids_leases(source, monkeypatch):
-    monkeypatch.setattr(peer_server, "MAX_RELEASE_IDS", 1)
+def test_a_release_names_at_most_max_release_ids_leases(sources):
+    source = sources(ServerLimits(max_release_ids=1))
     store(source, sequence(2))
     session = hello(source).session
     ids = [ask(source, Lease(nonce(), session, 1000, [(1, [p])])).lease_id for p in sequence(2)]
@@ -317,12 +339,9 @@ def test_unreadable_frames_and_non_requests_are_malformed_without_a_nonce(source
     assert refused(source, "malformed") == 2
 
 
-def test_a_failure_inside_the_server_is_an_internal_refusal_with_the_nonce(source, monkeypatch, caplog):
-    def broken(*args, **kwargs):
-        raise RuntimeError("bug")
-
+def test_a_failure_inside_the_server_is_an_internal_refusal_with_the_nonce(source, caplog):
     session = hello(source).session
-    monkeypatch.setattr(source.runner, "lease", broken)
+    source.runner.close()  # a shutdown race: the runner is gone while the server still answers
     sent = nonce()
     with caplog.at_level(logging.ERROR, logger="kvcr.runner.peer_server"):
         assert ask(source, Lease(sent, session, 1000, [(1, sequence(1))])) == Refused(sent, int(RefusalCode.INTERNAL))
@@ -360,15 +379,18 @@ def test_a_two_sided_source_sends_only_pieces_a_live_lease_covers(source):
     assert not guard(granted.lease_id, [PieceRun(k, 0, 99, 0, 1)])  # released: nothing is covered
 
 
-def test_a_failure_while_releasing_is_an_internal_refusal_without_a_nonce(source, monkeypatch, caplog):
+class ReleaseBug(KvcrRunner):
+    """A runner with a bug in release_lease (a test double: what the server does about bugs)."""
+
+    def release_lease(self, lease_id: int) -> bool:
+        raise RuntimeError("bug")
+
+
+def test_a_failure_while_releasing_is_an_internal_refusal_without_a_nonce(sources, caplog):
+    source = sources(runner_type=ReleaseBug)
     store(source, sequence(1))
     session = hello(source).session
     granted = ask(source, Lease(nonce(), session, 1000, [(1, sequence(1))]))
-
-    def broken(lease_id):
-        raise RuntimeError("bug")
-
-    monkeypatch.setattr(source.runner, "release_lease", broken)
     with caplog.at_level(logging.ERROR, logger="kvcr.runner.peer_server"):
         assert ask(source, Release(session, [granted.lease_id])) == Refused(b"", int(RefusalCode.INTERNAL))
 

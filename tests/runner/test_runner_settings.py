@@ -130,7 +130,7 @@ def cluster():
     c.close()
 
 
-def test_host_pools_are_registered_privately_once_and_again_only_when_they_change(cluster, monkeypatch):
+def test_host_pools_are_registered_privately_once_and_again_only_when_they_change(cluster):
     node = cluster.node("A")
     calls = []
     real_register, real_deregister = node.data_plane.register, node.data_plane.deregister
@@ -143,8 +143,8 @@ def test_host_pools_are_registered_privately_once_and_again_only_when_they_chang
         calls.append(("deregister", tuple(ids)))
         real_deregister(ids)
 
-    monkeypatch.setattr(node.data_plane, "register", register)
-    monkeypatch.setattr(node.data_plane, "deregister", deregister)
+    node.data_plane.intercept("register", register)
+    node.data_plane.intercept("deregister", deregister)
     ids = node.host_region_ids("kv")
     assert len(ids) == 2
     node.register_host_pool("kv", node.hosts["kv"].regions)  # the same geometry: nothing happens
@@ -156,13 +156,13 @@ def test_host_pools_are_registered_privately_once_and_again_only_when_they_chang
     assert node.host_region_ids("indexer") == ()
 
 
-def test_a_node_closes_once_and_deregisters_only_when_quiescent(cluster, monkeypatch):
+def test_a_node_closes_once_and_deregisters_only_when_quiescent(cluster):
     a = cluster.node("A")
     seed(a, sequence(1), [0])
     closed = []
     real_close, real_control = a.data_plane.close, a.control.close
-    monkeypatch.setattr(a.data_plane, "close", lambda: closed.append("data plane") or real_close())
-    monkeypatch.setattr(a.control, "close", lambda: closed.append("control") or real_control())
+    a.data_plane.intercept("close", lambda: closed.append("data plane") or real_close())
+    a.control.intercept("close", lambda: closed.append("control") or real_control())
     a.close()
     a.close()
     assert closed == ["control", "data plane"]

@@ -11,12 +11,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvcr.adapters.mock.fabric import ControlFaults, MockFabric
+from kvcr.adapters.mock.intercept import Interceptable
 from kvcr.ports.clock import Clock
 from kvcr.ports.control import ConnectionHandler, Handler
 from kvcr.ports.errors import ControlTimeout, PeerRefused, PeerUnavailable, TransportError
 
 
-class MockControlChannel:
+class MockControlChannel(Interceptable):
+    INTERCEPTABLE = frozenset({"request", "send", "forget", "close"})
+
     def __init__(self, fabric: MockFabric, endpoint: str, clock: Clock, faults: ControlFaults | None = None) -> None:
         self._fabric = fabric
         self._endpoint = endpoint

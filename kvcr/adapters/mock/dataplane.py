@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvcr.adapters.mock.fabric import Faults, MockFabric, _Node
+from kvcr.adapters.mock.intercept import Interceptable
 from kvcr.domain.errors import KvcrError
 from kvcr.domain.layout import PieceRun, RegionDescriptor
 from kvcr.ports.clock import Clock
@@ -35,7 +36,9 @@ class _Transfer:
     state: TransferState = TransferState.PENDING
 
 
-class MockDataPlane:
+class MockDataPlane(Interceptable):
+    INTERCEPTABLE = frozenset({"register", "deregister", "connect", "disconnect", "read", "poll", "cancel", "close"})
+
     def __init__(self, fabric: MockFabric, name: str, clock: Clock, faults: Faults | None = None) -> None:
         self._fabric = fabric
         self._name = name
