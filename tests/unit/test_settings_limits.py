@@ -2,6 +2,8 @@
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -272,37 +274,17 @@ def test_a_token_path_the_file_system_cannot_hold_is_refused():
     assert str(err.value) == "auth_token_file '/tmp/a\\x00b' is not a usable path"
 
 
-def after_the_check(monkeypatch, then):
-    """Run ``then`` between the token file's stat check and its read (a file changed meanwhile)."""
-    import kvcr.integrations.shared.settings as settings
-
-    real = settings.os.stat
-
-    def stat(path, *args, **kwargs):
-        monkeypatch.setattr(settings.os, "stat", real)  # once, and not for what ``then`` stats
-        info = real(path, *args, **kwargs)
-        then()
-        return info
-
-    monkeypatch.setattr(settings.os, "stat", stat)
-
-
-def test_a_token_file_that_grows_after_the_check_is_refused(tmp_path, monkeypatch):
-    path = token_file(tmp_path, b"x" * 4096)
-
-    def grow():
-        with open(path, "ab") as handle:
-            handle.write(b"y")
-
-    after_the_check(monkeypatch, grow)
-    with pytest.raises(ConfigError) as err:
-        read_token_file(path)
-    assert str(err.value) == f"auth_token_file {path!r} is larger than 4096 bytes"
-
-
-def test_a_token_file_removed_after_the_check_cannot_be_read(tmp_path, monkeypatch):
-    path = token_file(tmp_path, b"x" * 16)
-    after_the_check(monkeypatch, lambda: os.remove(path))
-    with pytest.raises(ConfigError) as err:
-        read_token_file(path)
-    assert str(err.value) == f"auth_token_file {path!r}: cannot read it: No such file or directory"
+def test_a_file_whose_length_exceeds_its_reported_size_is_refused_once_read():
+    """/proc/self/environ is a regular file of mode 0400 whose stat size is 0: only reading shows its
+    length, as for a file that grew after it was checked. The read stops at 4097 bytes."""
+    script = (
+        "from kvcr.domain.errors import ConfigError\n"
+        "from kvcr.integrations.shared.settings import read_token_file\n"
+        "try:\n"
+        "    read_token_file('/proc/self/environ')\n"
+        "except ConfigError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "KVCR_TEST_PADDING": "x" * 8192}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "auth_token_file '/proc/self/environ' is larger than 4096 bytes", done.stderr

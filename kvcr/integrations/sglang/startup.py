@@ -23,6 +23,7 @@ from kvcr.domain.errors import ConfigError, LayoutError
 from kvcr.domain.keys import NamespaceSpec
 from kvcr.domain.pools import HitPolicy
 from kvcr.domain.topology import RankLayout
+from kvcr.domain.transports import Transport
 from kvcr.integrations.sglang.pools import DescribedPool, describe_host_pool
 from kvcr.integrations.shared.kv_events import DynamoInventorySink
 from kvcr.integrations.shared.page_tokens import default_registry
@@ -62,23 +63,39 @@ def rank_layout(config: Any) -> RankLayout:
     )
 
 
+def control_plane(transport: str) -> str:
+    """The control channel a data plane pairs with: the in-process fabric's own for ``mock``, ZMQ
+    (CURVE when a token is set) for every data plane that reaches another process."""
+    return "mock" if transport == Transport.MOCK.value else "zmq"
+
+
 def dp_index(config: Any) -> int:
     """Which DP replica (or attention-DP group) this rank belongs to.
 
     SGLang sets ``dp_rank`` only under DP attention; under pure DP every replica sees 0 and the
-    replica index lives in SGLang's parallel context (``dp_rank``, or ``SGLANG_DP_RANK``). Both
-    combine: replica * attention-DP groups + group.
+    replica index lives in SGLang's parallel context (``dp_rank``, or ``SGLANG_DP_RANK`` when the
+    context has not published it). Both combine: replica * attention-DP groups + group. Each
+    field is read on its own: SGLang raises on a name not yet published, and one missing field
+    must not discard the other.
     """
-    replica, groups = 0, 1
+    replica = _parallel_field("dp_rank")
+    if replica is _UNPUBLISHED:
+        replica = os.environ.get("SGLANG_DP_RANK", "0")
+    groups = _parallel_field("attn_dp_size")
+    return int(replica or 0) * int(groups if groups is not _UNPUBLISHED and groups else 1) + int(config.dp_rank)
+
+
+_UNPUBLISHED = object()
+
+
+def _parallel_field(name: str) -> Any:
+    """``name`` from SGLang's parallel context, or ``_UNPUBLISHED`` (no context, or not published yet)."""
     try:
         from sglang.srt.runtime_context import get_parallel
 
-        parallel = get_parallel()
-        replica = int(getattr(parallel, "dp_rank", None) or 0)
-        groups = int(getattr(parallel, "attn_dp_size", None) or 1)
-    except Exception:  # no parallel context published (tests, tools): fall back to the environment
-        replica = int(os.environ.get("SGLANG_DP_RANK", "0") or 0)
-    return replica * groups + int(config.dp_rank)
+        return getattr(get_parallel(), name)
+    except Exception:  # SGLang raises RuntimeError / ValueError for unpublished names; tools run without it
+        return _UNPUBLISHED
 
 
 def replicated(pool: str, config: Any) -> bool:
@@ -192,7 +209,7 @@ def start(
         )
     sink: list[DynamoInventorySink] = []
     kv_events, inventory = _kv_events(settings, layout, anchor.page_size, sink)
-    control = "mock" if settings.transport == "mock" else "zmq"
+    control = control_plane(settings.transport)
     container = build_container(
         runner_config,
         node=node_settings,

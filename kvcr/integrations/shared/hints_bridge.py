@@ -83,6 +83,12 @@ def add_listener(listener: PrefetchListener) -> None:
             _listeners.append(listener)
 
 
+def listeners() -> tuple[PrefetchListener, ...]:
+    """Who hears about prefetches now (a closed backend is not among them)."""
+    with _lock:
+        return tuple(_listeners)
+
+
 def remove_listener(listener: PrefetchListener) -> None:
     with _lock:
         if listener in _listeners:

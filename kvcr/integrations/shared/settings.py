@@ -123,14 +123,25 @@ class KvcrSettings:
 def read_token_file(path: str, setting: str = "auth_token_file") -> bytes:
     """Read the cluster token: a regular file, not readable by others, 16..4096 bytes, no NUL.
 
-    Checked before it is opened, so a FIFO or a device cannot hang start-up.
+    Opened without blocking (a FIFO or a device cannot hang start-up), then checked and read
+    through the same descriptor: what was checked is what is read, whatever happens to the path.
     """
     try:
-        info = os.stat(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(f"{setting} {path!r}: cannot read it: {exc.strerror}") from exc
     except ValueError as exc:  # a NUL byte, or a character the file system encoding cannot hold
         raise ConfigError(f"{setting} {path!r} is not a usable path") from exc
+    try:
+        raw = _checked_read(fd, path, setting)
+    finally:
+        os.close(fd)
+    return _token_rules(raw.strip(), path, setting)
+
+
+def _checked_read(fd: int, path: str, setting: str) -> bytes:
+    """The bytes of an open token file, after checking what it is through its descriptor."""
+    info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         raise ConfigError(f"{setting} {path!r} is not a regular file")
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -140,14 +151,23 @@ def read_token_file(path: str, setting: str = "auth_token_file") -> bytes:
         )
     if info.st_size > MAX_TOKEN_BYTES:
         raise ConfigError(f"{setting} {path!r} is larger than {MAX_TOKEN_BYTES} bytes")
+    chunks: list[bytes] = []
+    size = 0
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_TOKEN_BYTES + 1)
+        while size <= MAX_TOKEN_BYTES:
+            chunk = os.read(fd, MAX_TOKEN_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
     except OSError as exc:
         raise ConfigError(f"{setting} {path!r}: cannot read it: {exc.strerror}") from exc
-    if len(raw) > MAX_TOKEN_BYTES:  # it grew after the check above
+    if size > MAX_TOKEN_BYTES:  # it grew after the check, or its size was not its length (/proc)
         raise ConfigError(f"{setting} {path!r} is larger than {MAX_TOKEN_BYTES} bytes")
-    token = raw.strip()
+    return b"".join(chunks)
+
+
+def _token_rules(token: bytes, path: str, setting: str) -> bytes:
     if b"\x00" in token:
         raise ConfigError(f"{setting} {path!r} contains a NUL byte")
     if len(token) < MIN_TOKEN_BYTES:

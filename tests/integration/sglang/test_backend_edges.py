@@ -119,15 +119,15 @@ def test_a_source_inside_the_allowlist_is_used(reader):
     assert reader.read(info(kv_hints=envelope(host="10.200.0.1"))) is not None
 
 
-def test_the_bridge_forgets_the_oldest_requests_first(monkeypatch):
-    monkeypatch.setattr(hints_bridge, "MAX_TRACKED_REQUESTS", 2)
-    for rid in ("r1", "r2", "r3"):
+def test_the_bridge_forgets_the_oldest_requests_first():
+    limit = hints_bridge.MAX_TRACKED_REQUESTS
+    for rid in ("r1", "r2", *(f"fill-{i}" for i in range(limit - 2)), "r3"):
         hints_bridge.remember(rid, {"rid": rid})
     assert hints_bridge.lookup("r1") is None
     assert hints_bridge.lookup("r2") == {"rid": "r2"} and hints_bridge.lookup("r3") == {"rid": "r3"}
     hints_bridge.remember("r2", {"rid": "r2b"})  # remembering again makes it the newest
     hints_bridge.remember("r4", {"rid": "r4"})
-    assert hints_bridge.lookup("r3") is None and hints_bridge.lookup("r2") == {"rid": "r2b"}
+    assert hints_bridge.lookup("fill-0") is None and hints_bridge.lookup("r2") == {"rid": "r2b"}
     assert hints_bridge.lookup(None) is None
 
 
@@ -204,27 +204,19 @@ def test_v2_writes_skip_pools_kvcr_does_not_serve_and_store_the_rest(store):
     assert store.batch_exists(keys) == 2
 
 
-def test_a_v2_read_that_fails_inside_reports_misses(store, monkeypatch):
+def test_a_v2_read_that_fails_inside_reports_misses(store):
     keys = sg.hashes(2)
     store.batch_set_v1(keys, store.host.alloc(2 * sg.P))
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("bug")
-
-    monkeypatch.setattr(store._ready().restorer, "read", broken)
+    store._ready().runner.close()  # under the backend: every read inside now raises (ClosedError)
     assert store.batch_get_v1(keys, store.host.alloc(2 * sg.P)) == [False, False]
     got = store.batch_get_v2([PoolTransfer(name=PoolName.KV, keys=keys, host_indices=store.host.alloc(2 * sg.P))])
     assert got == {"kv": [False, False]}
 
 
-def test_hit_queries_that_fail_inside_answer_no_hits(store, monkeypatch):
+def test_hit_queries_that_fail_inside_answer_no_hits(store):
     keys = sg.hashes(1)
     store.batch_set_v1(keys, store.host.alloc(sg.P))
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("bug")
-
-    monkeypatch.setattr(store._ready().restorer, "presence", broken)
+    store._ready().runner.close()  # under the backend: every query inside now raises (ClosedError)
     assert store.batch_exists(keys) == 0
     result = store.batch_exists_v2(keys, [])
     assert (result.kv_hit_pages, result.extra_pool_hit_pages, result.restorable_prefix_pages) == (0, {}, [])
@@ -442,14 +434,12 @@ def test_the_copy_path_fills_the_targets_it_is_given_or_the_pools_own_page(store
     assert store.get(key) is not None  # no target: the host pool's own spare page
 
 
-def test_a_closed_backend_leaves_the_bridge_and_its_port(monkeypatch):
+def test_a_closed_backend_leaves_the_bridge_and_its_port():
     port = sg.free_port()
     backend = sg.backend(sg.mha_host("page_first"), sg.storage_config(control_port=port))
+    assert backend in hints_bridge.listeners()
     backend.close()
-    calls = []
-    monkeypatch.setattr(backend, "on_prefetch_finished", calls.append)
-    hints_bridge.prefetch_finished("r")
-    assert calls == []
+    assert backend not in hints_bridge.listeners()
     again = sg.backend(sg.mha_host("page_first"), sg.storage_config(control_port=port))  # the port is free again
     again.close()
 

@@ -58,46 +58,38 @@ def test_the_supported_topologies_pass():
     check_topology(sg.storage_config(tp_size=2), KvcrSettings(control_port=0))  # sharded KV needs no peer
 
 
-class Parallel:
-    def __init__(self, dp_rank=None, attn_dp_size=None):
-        self.dp_rank, self.attn_dp_size = dp_rank, attn_dp_size
-
-
 @pytest.mark.parametrize(
-    ("parallel", "own", "index"),
-    [(Parallel(2, 3), 1, 7), (Parallel(2, None), 0, 2), (Parallel(None, 4), 3, 3), (Parallel(), 0, 0)],
+    ("published", "own", "index"),
+    [
+        ({"dp_rank": 2, "attn_dp_size": 3}, 1, 7),
+        ({"dp_rank": 2, "attn_dp_size": None}, 0, 2),
+        ({"dp_rank": None, "attn_dp_size": 4}, 3, 3),
+        ({"dp_rank": None, "attn_dp_size": None}, 0, 0),
+    ],
 )
-def test_the_dp_index_combines_the_replica_and_the_attention_dp_group(monkeypatch, parallel, own, index):
-    import sglang.srt.runtime_context as context
+def test_the_dp_index_combines_the_replica_and_the_attention_dp_group(monkeypatch, published, own, index):
+    from sglang.srt.runtime_context import get_parallel
 
-    monkeypatch.setattr(context, "get_parallel", lambda: parallel)
-    assert dp_index(sg.storage_config(dp_rank=own)) == index
+    monkeypatch.setenv("SGLANG_DP_RANK", "5")  # read only when the context has not published dp_rank
+    with get_parallel().override(**published):  # SGLang's own scoped override of its parallel context
+        assert dp_index(sg.storage_config(dp_rank=own)) == index
 
 
 def test_without_a_parallel_context_the_replica_comes_from_the_environment(monkeypatch):
-    import sglang.srt.runtime_context as context
-
-    def missing():
-        raise RuntimeError("no parallel context")
-
-    monkeypatch.setattr(context, "get_parallel", missing)
-    monkeypatch.setenv("SGLANG_DP_RANK", "5")
+    monkeypatch.setenv("SGLANG_DP_RANK", "5")  # nothing published in this process: SGLang raises on read
     assert dp_index(sg.storage_config(dp_rank=1)) == 6
     monkeypatch.setenv("SGLANG_DP_RANK", "")
     assert dp_index(sg.storage_config()) == 0
 
 
-def test_a_parallel_context_without_dp_fields_is_replica_zero_of_one_group(monkeypatch):
-    import sglang.srt.runtime_context as context
+def test_a_published_replica_without_attention_dp_is_one_group_and_ignores_the_environment(monkeypatch):
+    from sglang.srt.runtime_context import get_parallel
 
-    class OnlyReplica:
-        dp_rank = 2
-
-    monkeypatch.setenv("SGLANG_DP_RANK", "5")  # read only when there is no parallel context
-    monkeypatch.setattr(context, "get_parallel", lambda: object())
-    assert dp_index(sg.storage_config(dp_rank=1)) == 1
-    monkeypatch.setattr(context, "get_parallel", OnlyReplica)
-    assert dp_index(sg.storage_config(dp_rank=1)) == 3
+    monkeypatch.setenv("SGLANG_DP_RANK", "5")
+    with get_parallel().override(dp_rank=2):  # attn_dp_size unpublished: SGLang raises on it
+        assert dp_index(sg.storage_config(dp_rank=1)) == 3
+    with get_parallel().override(attn_dp_size=2):  # dp_rank unpublished: the environment's replica
+        assert dp_index(sg.storage_config(dp_rank=1)) == 11
 
 
 def test_a_rank_without_attention_cp_counts_as_one_cp_group():

@@ -89,21 +89,16 @@ def test_a_model_without_a_name_is_keyed_as_unknown(stores):
 
 
 @pytest.mark.parametrize(("transport", "control"), [("mock", "mock"), ("ucx", "zmq"), ("nixl", "zmq")])
-def test_a_real_transport_gets_the_zmq_control_plane(monkeypatch, transport, control):
-    chosen = []
+def test_a_real_transport_gets_the_zmq_control_plane(transport, control):
+    assert startup.control_plane(transport) == control
 
-    class Stop(Exception):
-        pass
 
-    def build_container(*args, **kwargs):
-        chosen.append(kwargs["control"])
-        raise Stop
+def test_a_started_mock_node_talks_over_the_mock_control_channel(stores):
+    from kvcr.adapters.mock import MockControlChannel
 
-    monkeypatch.setattr(startup, "build_container", build_container)
-    settings = parse_settings(sg.extra_config(transport=transport))
-    with pytest.raises(Stop):
-        startup.start(sg.storage_config(transport=transport), settings, None, (), {"kv": sg.mha_host("page_first")})
-    assert chosen == [control]
+    store, _ = stores(control_port=sg.free_port())
+    node = store._ready().node
+    assert node is not None and isinstance(node.control, MockControlChannel)
 
 
 # ---------------------------------------------------------------------------------------------- KV events
