@@ -13,8 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import xxhash
-
+from kvcr.adapters.digests import page_digest
 from kvcr.ports.errors import MemoryCopyError, RegistrationError
 from kvcr.ports.memory import Allocation, Move
 
@@ -66,10 +65,7 @@ class MmapHostMemory:
         return ctypes.string_at(address, nbytes)
 
     def digest(self, extents: Sequence[tuple[int, int]], seed: bytes) -> bytes:
-        hasher = xxhash.xxh3_128(seed)
-        for address, nbytes in extents:
-            hasher.update((ctypes.c_char * nbytes).from_address(address))
-        return hasher.digest()
+        return page_digest(extents, seed)
 
     def close(self) -> None:
         """Free every allocation still held (for tests and process teardown)."""

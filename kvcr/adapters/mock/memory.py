@@ -11,8 +11,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import xxhash
-
+from kvcr.adapters.digests import page_digest
 from kvcr.ports.errors import MemoryCopyError, RegistrationError
 from kvcr.ports.memory import Allocation, Move
 
@@ -50,10 +49,7 @@ class MockHostMemory:
         return ctypes.string_at(address, nbytes)
 
     def digest(self, extents: Sequence[tuple[int, int]], seed: bytes) -> bytes:
-        hasher = xxhash.xxh3_128(seed)
-        for address, nbytes in extents:
-            hasher.update((ctypes.c_char * nbytes).from_address(address))
-        return hasher.digest()
+        return page_digest(extents, seed)
 
     @property
     def live_allocations(self) -> int:
