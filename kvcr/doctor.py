@@ -183,7 +183,16 @@ def check_sglang_version() -> Finding:
                 Status.FAIL,
                 f"sglang {version}: kvcr's backend cannot import {module}: {_one_line(exc)}{hint}",
             )
-    return Finding("sglang", Status.OK, f"sglang {version}; kvcr's backend imports")
+    from kvcr.integrations.sglang import hook_points
+
+    moved = hook_points.problems([*hook_points.HINT_POINTS, *hook_points.TOKEN_POINTS])
+    if moved:
+        return Finding(
+            "sglang",
+            Status.FAIL,
+            f"sglang {version}: kvcr's plugin would leave request hints (or KV events) off: {'; '.join(moved)}",
+        )
+    return Finding("sglang", Status.OK, f"sglang {version}; kvcr's backend imports and its plugin's hook points fit")
 
 
 def check_memory(dram_bytes: int, ranks: int, available: Callable[[], int | None] = available_memory_bytes) -> Finding:

@@ -59,6 +59,7 @@ class MetricName(str, enum.Enum):
     LOOKUP_PAGES = "kvcr_lookup_pages_total"
     DRAM_CAPACITY_BYTES = "kvcr_dram_capacity_bytes"
     BUILD_INFO = "kvcr_build_info"
+    HINT_HOOKS_MISSING = "kvcr_hint_hooks_missing"
 
 
 class Path(str, enum.Enum):
@@ -333,6 +334,12 @@ SPECS: tuple[MetricSpec, ...] = (
         Kind.GAUGE,
         "Always 1: the kvcr version and the data plane this process runs.",
         (("version", frozenset({__version__})), ("transport", _values(Transport))),
+        aggregate="max",
+    ),
+    MetricSpec(
+        MetricName.HINT_HOOKS_MISSING,
+        Kind.GAUGE,
+        "SGLang methods kvcr's plugin wraps that were missing or changed at load; over 0, hints or KV events are off.",
         aggregate="max",
     ),
 )

@@ -33,17 +33,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from kvcr.integrations.sglang import hook_points
 from kvcr.integrations.shared import dynamo_sglang, hints_bridge
 from kvcr.integrations.shared.page_tokens import default_registry
 
 log = logging.getLogger(__name__)
 
-_CONTROLLERS = (
-    "sglang.srt.managers.cache_controller.HiCacheController",
-    "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController",
-)
-_BACKUP = "sglang.srt.managers.cache_controller.HiCacheController._page_backup"
-_REVOKE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.revoke_pending_prefetch"
 _loaded = False
 
 
@@ -134,6 +129,23 @@ def _install_dynamo_host_hooks() -> None:
         log.warning("kvcr: could not hook dynamo.sglang; it publishes no hint capability", exc_info=True)
 
 
+_WRAPPERS: dict[str, tuple[Callable[..., Any], str]] = {
+    "_prefetch_kvcache": (_record_request_hint, "AROUND"),
+    "_storage_hit_query": (_with_request_hint, "AROUND"),
+    "_page_transfer": (_transfer_with_request_hint, "AROUND"),
+    "_sync_prefetch_hit_query": (_trim_to_synced_hit, "AROUND"),
+    "revoke_pending_prefetch": (_finish_revoked, "AFTER"),
+    "_page_backup": (_capture_backup_tokens, "AROUND"),
+}
+"""kvcr's wrapper for each hooked method, and how SGLang's registry applies it."""
+
+
+def _register(registry: Any, hook_type: Any, points: tuple[hook_points.HookPoint, ...]) -> None:
+    for point in points:
+        wrapper, kind = _WRAPPERS[point.target.rsplit(".", 1)[1]]
+        registry.register(point.target, wrapper, getattr(hook_type, kind))
+
+
 def load() -> None:
     """Register the hooks (idempotent); SGLang applies them right after loading plugins."""
     global _loaded
@@ -148,15 +160,25 @@ def load() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(
-        "sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache", _record_request_hint, HookType.AROUND
-    )
-    for controller in _CONTROLLERS:
-        HookRegistry.register(f"{controller}._storage_hit_query", _with_request_hint, HookType.AROUND)
-        HookRegistry.register(f"{controller}._page_transfer", _transfer_with_request_hint, HookType.AROUND)
-        HookRegistry.register(f"{controller}._sync_prefetch_hit_query", _trim_to_synced_hit, HookType.AROUND)
-    HookRegistry.register(_REVOKE, _finish_revoked, HookType.AFTER)
-    HookRegistry.register(_BACKUP, _capture_backup_tokens, HookType.AROUND)
+    hints_missing = hook_points.problems(hook_points.HINT_POINTS)
+    tokens_missing = hook_points.problems(hook_points.TOKEN_POINTS)
+    hook_points.record([*hints_missing, *tokens_missing])
+    if hints_missing:
+        log.error(
+            "kvcr: request hints are OFF: this SGLang's hook points are not what kvcr's plugin wraps (%s); "
+            "the backend still serves its local pages (kvcr doctor shows the same)",
+            "; ".join(hints_missing),
+        )
+    else:
+        _register(HookRegistry, HookType, hook_points.HINT_POINTS)
+    if tokens_missing:
+        log.error(
+            "kvcr: backed-up pages get no KV events: this SGLang's hook point is not what kvcr's plugin wraps (%s)",
+            "; ".join(tokens_missing),
+        )
+    else:
+        _register(HookRegistry, HookType, hook_points.TOKEN_POINTS)
     _loaded = True
     _install_dynamo_host_hooks()
-    log.info("kvcr: request hints are forwarded to the HiCache storage backend; backed-up page tokens are captured")
+    if not hints_missing and not tokens_missing:
+        log.info("kvcr: request hints are forwarded to the HiCache storage backend; backed-up page tokens are captured")

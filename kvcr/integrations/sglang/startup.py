@@ -24,6 +24,7 @@ from kvcr.domain.keys import NamespaceSpec
 from kvcr.domain.pools import HitPolicy
 from kvcr.domain.topology import RankLayout
 from kvcr.domain.transports import Transport
+from kvcr.integrations.sglang import hook_points
 from kvcr.integrations.sglang.pools import DescribedPool, describe_host_pool
 from kvcr.integrations.shared.kv_events import DynamoInventorySink
 from kvcr.integrations.shared.page_tokens import default_registry
@@ -233,6 +234,7 @@ def start(
         raise
     metrics = container.metrics()
     metrics.set_gauge(MetricName.BUILD_INFO, 1, {"version": __version__, "transport": settings.transport})
+    metrics.set_gauge(MetricName.HINT_HOOKS_MISSING, len(hook_points.missing_at_load()))
     restorer = container.restorer() if node is not None else container.local_restorer()
     log.info(
         "kvcr started: namespace %s, pools %s, endpoint %s, kv events %s",

@@ -23,6 +23,16 @@ def main() -> None:
 
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
     use_plugin = sys.argv[1] != "without-plugin"
+    if sys.argv[1] == "moved-hook":
+        # Another SGLang release, as this process sees it: a hooked method whose parameters changed.
+        from sglang.srt.managers.cache_controller import HiCacheController
+
+        original = HiCacheController._page_transfer
+
+        def _page_transfer(self, prefetch_op):
+            return original(self, prefetch_op)
+
+        HiCacheController._page_transfer = _page_transfer
     if use_plugin:
         load_plugins()
 
@@ -78,7 +88,15 @@ def main() -> None:
         print("RESULT " + json.dumps(result))
         return
     op, dst, completed = sg.prefetch(ctrl, "req-7", tokens, timeout=20)
-    result = {"hit_tokens": op.storage_hit_count, "bytes_equal": False, "leases": a.runner.active_leases}
+    from kvcr.integrations.sglang import hook_points
+
+    result = {
+        "hit_tokens": op.storage_hit_count,
+        "bytes_equal": False,
+        "leases": a.runner.active_leases,
+        "missing": list(hook_points.missing_at_load()),
+        "gauge": ctrl.storage_backend._ready().metrics.snapshot().get("kvcr_hint_hooks_missing"),
+    }
     if dst is not None:
         result["prefetched_tokens"] = completed
         result["bytes_equal"] = sg.pages_equal(host_a, src, host_b, dst)

@@ -18,7 +18,8 @@ PROBE = (
 
 def test_the_installed_sglang_is_the_one_kvcr_is_built_against():
     finding = check_sglang_version()
-    assert finding.status is Status.OK and finding.detail == "sglang 0.5.23; kvcr's backend imports"
+    assert finding.status is Status.OK
+    assert finding.detail == "sglang 0.5.23; kvcr's backend imports and its plugin's hook points fit"
 
 
 def test_an_sglang_whose_host_pool_cannot_import_fails_the_doctor_as_it_fails_the_backend():

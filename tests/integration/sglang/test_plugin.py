@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 
 
-def run_flow(mode: str) -> dict:
+def run_flow(mode: str, stderr: list[str] | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     done = subprocess.run(
         [sys.executable, "-m", "tests.integration.sglang.plugin_flow", mode],
@@ -21,6 +21,8 @@ def run_flow(mode: str) -> dict:
         text=True,
         timeout=240,
     )
+    if stderr is not None:
+        stderr.append(done.stderr)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT ") :])
@@ -53,3 +55,16 @@ def test_a_revoked_prefetch_releases_its_leases_at_once():
 @pytest.mark.multiprocess
 def test_without_the_plugin_stock_sglang_drops_the_hint():
     assert run_flow("without-plugin")["hit_tokens"] == 0
+
+
+@pytest.mark.multiprocess
+def test_a_hook_point_this_sglang_changed_turns_hints_off_loudly_and_the_rest_keeps_working():
+    logs: list[str] = []
+    result = run_flow("moved-hook", logs)
+    target = "sglang.srt.managers.cache_controller.HiCacheController._page_transfer"
+    assert result["missing"] == [f"{target}: takes (self, prefetch_op, ...), kvcr's hook passes (self, operation, ...)"]
+    assert result["hit_tokens"] == 0  # no hint hook was registered: the hinted pages are not found
+    assert result["gauge"] == 1.0
+    errors = [line for line in logs[0].splitlines() if "request hints are OFF" in line]
+    assert len(errors) == 1 and target in errors[0], logs[0][-3000:]
+    assert "get no KV events" not in logs[0]  # the backup hook point is unchanged: still captured
