@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+from typing import Any
 
 from kvcr.domain.keys import NamespaceSpec, page_hashes
 from kvcr.domain.layout import ComponentSpec, RegionDescriptor
@@ -64,7 +65,7 @@ def mamba_pool(piece: int = 64) -> PoolSpec:
     return PoolSpec("mamba", (ComponentSpec("conv", piece), ComponentSpec("ssm", piece)), HitPolicy.TRAILING_PAGES)
 
 
-def runner_config(pools: tuple[PoolSpec, ...], slots: int, *, name: str = "r0", **changes: object) -> RunnerConfig:
+def runner_config(pools: tuple[PoolSpec, ...], slots: int, *, name: str = "r0", **changes: Any) -> RunnerConfig:
     dram = slots * sum(p.page_bytes for p in pools if p.physical)
     return RunnerConfig(name, NamespaceSpec("test-model", 4, "bf16", "page_first"), pools, dram, **changes)
 

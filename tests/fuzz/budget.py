@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
+from typing import Any
 
 from hypothesis import HealthCheck, settings
 
@@ -37,7 +38,7 @@ _EXAMPLES: dict[str, tuple[int, int]] = {
 }
 TARGETS = tuple(_EXAMPLES)
 
-_SHARED = {
+_SHARED: dict[str, Any] = {
     "deadline": None,  # several jobs share two cores: wall-clock limits per case would only flake
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     "print_blob": True,  # a failure prints the @reproduce_failure line

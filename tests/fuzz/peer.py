@@ -41,6 +41,7 @@ from kvcr.runner.protocol import (
     HelloReply,
     Lease,
     LeaseReply,
+    PoolWire,
     RefusalCode,
     Refused,
     Release,
@@ -100,7 +101,7 @@ class PeerUnderFire:
         self.arena_slot: dict[str, int] = {}
         self.namespaces = dict(self.a.runner.namespaces)
         self.description = self.a.data_plane.describe()
-        self.pools: dict[str, object] = {}  # A's pools as its HELLO_REPLY describes them
+        self.pools: dict[str, PoolWire] = {}  # A's pools as its HELLO_REPLY describes them
         for node in self.clients:
             self._record(node)
         self.errors = ErrorLog()
@@ -211,6 +212,7 @@ class PeerUnderFire:
             assert answer == Refused(b"", int(expected)), (answer, expected)
             return answer
         if len(request.nonce) == NONCE_BYTES:
+            assert not isinstance(answer, Release), answer  # a RELEASE has no nonce
             assert answer.nonce == request.nonce, "a reply must answer this request"
         if isinstance(request, Hello):
             self._judge_hello(request, answer)

@@ -7,6 +7,7 @@ peer protocol has (``MAX_POOLS``, ``MAX_LEASE_PAGES``, ``MAX_RELEASE_IDS``, ``NO
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import msgpack
 from hypothesis import strategies as st
@@ -134,12 +135,12 @@ class Namespaces:
 def resolve(value: object, known: dict[str, object]) -> object:
     """``value`` with every ``Known`` and ``Namespaces`` replaced by the real thing it stands for."""
     if isinstance(value, Namespaces):
-        real = known["namespaces"]
+        real = cast("dict[str, str]", known["namespaces"])
         mixed = dict.fromkeys(real, value.value) if value.value is not None else dict(real)
         mixed.update(value.extra)
         return mixed
     if isinstance(value, Known):
-        pool = known[value.kind]
+        pool = cast("list[int] | list[bytes]", known[value.kind])  # sessions or nonces
         if not pool:
             return 0 if value.kind == "session" else b""
         return pool[value.index % len(pool)]

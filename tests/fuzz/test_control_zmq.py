@@ -59,7 +59,7 @@ class Attacker:
             self.sock.send_multipart(message)
         probe = b"PROBE" + next(self._probes).to_bytes(3, "big")
         self.sock.send_multipart([probe, b"not a frame"])
-        replies = []
+        replies: list[list[bytes]] = []
         give_up = time.monotonic() + ANSWER_S
         while True:
             left_ms = max(0, round((give_up - time.monotonic()) * 1000))

@@ -43,7 +43,7 @@ class Relay:
         self.ports = itertools.cycle(range(1, 65536))
         self.history: dict[type, list] = {HelloReply: [], LeaseReply: []}
         self.plan: dict[str, tuple] = {}
-        self.channel = None
+        self.channel: MockControlChannel | None = None
 
     def endpoint(self) -> str:
         """A fresh relay endpoint per case (on an address no node uses), so every case starts with a HELLO."""

@@ -18,6 +18,7 @@ import sysconfig
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -31,7 +32,8 @@ def installed_from_the_wheel() -> str:
     where = Path(kvcr.__file__).resolve()
     assert where.is_relative_to(site), f"kvcr imported from {where}, not from {site}"
     dist = md.distribution("kvcr-runner")
-    assert dist.read_text("direct_url.json") is None or '"editable": true' not in dist.read_text("direct_url.json")
+    direct_url = dist.read_text("direct_url.json")
+    assert direct_url is None or '"editable": true' not in direct_url
     return f"kvcr-runner {dist.version} from {where.parent}"
 
 
@@ -68,7 +70,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def host_pool(layers: int = 2, heads: int = 2, head_dim: int = 8, pages: int = 4) -> object:
+def host_pool(layers: int = 2, heads: int = 2, head_dim: int = 8, pages: int = 4) -> Any:
     """SGLang's real MHA host pool on the CPU (bf16, page_first), ``pages`` pages of ``PAGE`` tokens."""
     import torch
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo

@@ -8,6 +8,7 @@ are read from the installed SGLang, NIXL and Dynamo metadata, not restated.
 import importlib.metadata as md
 import tomllib
 from pathlib import Path
+from typing import cast
 
 import pytest
 from packaging.markers import default_environment
@@ -37,7 +38,7 @@ def by_name(requirements: list[Requirement], name: str) -> Requirement:
 
 
 def pinned_versions() -> dict[str, str]:
-    pins = {}
+    pins: dict[str, str] = {}
     for line in (REPO / "constraints.txt").read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if "==" in line:
@@ -48,7 +49,7 @@ def pinned_versions() -> dict[str, str]:
 
 def runtime_requirements(distribution: str) -> list[Requirement]:
     """A distribution's requirements that apply here without extras (what pip resolves for it)."""
-    env = dict(default_environment(), extra="")
+    env = cast("dict[str, str]", dict(default_environment(), extra=""))  # Environment: a TypedDict of str
     found = []
     for text in md.requires(distribution) or []:
         req = Requirement(text)

@@ -15,7 +15,7 @@ import asyncio
 import json
 import sys
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 from kvcr.testing.sglang import prepare_environment
 
@@ -23,7 +23,7 @@ prepare_environment()  # the torchvision stub SGLang's model configs import on a
 
 import dynamo.sglang.register as register  # noqa: E402
 from dynamo._core import Context  # noqa: E402
-from dynamo.sglang.args import Config  # noqa: E402
+from dynamo.sglang.args import Config, DynamoConfig  # noqa: E402
 from dynamo.sglang.request_handlers import DecodeWorkerHandler, PrefillWorkerHandler  # noqa: E402
 from sglang.srt.entrypoints.engine import Engine  # noqa: E402
 
@@ -94,8 +94,9 @@ def server_args(**overrides: Any) -> SimpleNamespace:
     return SimpleNamespace(**fields)
 
 
-def dynamo_args() -> SimpleNamespace:
-    return SimpleNamespace(
+def dynamo_args() -> DynamoConfig:
+    # A stand-in for Dynamo's config: only the fields register and the handlers read.
+    stand_in = SimpleNamespace(
         kv_state_endpoint=None,
         enable_multimodal=False,
         frontend_decoding=False,
@@ -109,6 +110,7 @@ def dynamo_args() -> SimpleNamespace:
         use_sglang_tokenizer=False,
         enable_rl=False,
     )
+    return cast(DynamoConfig, stand_in)
 
 
 class RecordingTokenizerManager:
@@ -147,6 +149,7 @@ class EngineWithoutScheduler(Engine):
 
 def capability(args: SimpleNamespace) -> dict[str, Any]:
     config = asyncio.run(register.get_runtime_config(EngineWithoutScheduler(), args, dynamo_args()))
+    assert config is not None
     return {k: json.loads(v) for k, v in config.runtime_data.items() if k.startswith("router_hint")}
 
 

@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import tests.integration.sglang.conftest  # noqa: F401  (cache dirs, torchvision stub)
 
@@ -45,7 +46,7 @@ def main() -> None:
     control_a, control_b = free_port(), free_port()
     events_a, events_b = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     host_a, host_b = sg.mha_host("page_first"), sg.mha_host("page_first")
-    common = {"transport": transport, "dram_bytes": "4MiB"}
+    common: dict[str, Any] = {"transport": transport, "dram_bytes": "4MiB"}
     ctrl_a, _ = sg.controller(host_a, control_port=control_a, kv_events_endpoint=events_a, **common)
     ctrl_b, _ = sg.controller(
         host_b, control_port=control_b, kv_events_endpoint=events_b, enable_remote_hint=True, **common

@@ -1,6 +1,7 @@
 """Worker capability on Dynamo's real ModelRuntimeConfig, endpoint maps, and hint forwarding to SGLang."""
 
 import json
+from typing import Any
 
 import pytest
 from dynamo.llm import ModelRuntimeConfig
@@ -115,7 +116,7 @@ def test_control_endpoints_refuse_what_peers_cannot_dial():
 
 # ---------------------------------------------------------------------- forwarding
 
-ENVELOPE = {
+ENVELOPE: dict[str, Any] = {
     "protocol_version": "0.1",
     "message_id": "sel-9",
     "actions": [

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from dynamo._core import Context
-from dynamo.sglang.args import Config
+from dynamo.sglang.args import Config, DynamoConfig
 from dynamo.sglang.request_handlers import DecodeWorkerHandler
 from sglang.srt.entrypoints.engine import Engine
 
@@ -67,9 +67,8 @@ def handler() -> tuple[Any, RecordingTokenizerManager]:
         disaggregation_mode="null", enable_trace=False, skip_tokenizer_init=True, enable_return_routed_experts=False
     )
     engine = EngineWithoutScheduler()
-    made = DecodeWorkerHandler(
-        engine, Config(server_args, SimpleNamespace(use_sglang_tokenizer=False, enable_rl=False))
-    )
+    dynamo_args = cast(DynamoConfig, SimpleNamespace(use_sglang_tokenizer=False, enable_rl=False))  # a stand-in
+    made = DecodeWorkerHandler(engine, Config(server_args, dynamo_args))
     return made, engine.tokenizer_manager
 
 

@@ -75,12 +75,14 @@ class Source:
 
     def _ready_line(self, timeout: float) -> str:
         result: list[str] = []
-        reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
+        stdout, stderr = self.proc.stdout, self.proc.stderr
+        assert stdout is not None and stderr is not None  # both are pipes
+        reader = threading.Thread(target=lambda: result.append(stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout)
         if not result or not result[0].startswith("READY "):
             self.kill()
-            raise AssertionError(f"source did not start: {self.proc.stderr.read()[-3000:]}")
+            raise AssertionError(f"source did not start: {stderr.read()[-3000:]}")
         return result[0]
 
     def kill(self) -> None:

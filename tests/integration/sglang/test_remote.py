@@ -147,7 +147,9 @@ FAST = dict(operation_timeout_ms=100, abandon_timeout_ms=200, control_timeout_ms
 class Recorded(KvcrHiCacheStorage):
     """Records fail-stop instead of ending the test process."""
 
-    terminate = staticmethod(REASONS.append)
+    @staticmethod
+    def terminate(reason: str) -> None:
+        REASONS.append(reason)
 
 
 def test_an_unconfirmed_read_terminates_the_worker(replicas):

@@ -49,12 +49,14 @@ def start_replica_a(pages: int, layers: int, seed: int) -> tuple[subprocess.Pope
         text=True,
     )
     line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    stdout, stderr = proc.stdout, proc.stderr
+    assert stdout is not None and stderr is not None  # both are pipes
+    reader = threading.Thread(target=lambda: line.append(stdout.readline()), daemon=True)
     reader.start()
     reader.join(180)
     if not line or not line[0].startswith("READY "):
         proc.kill()
-        raise AssertionError(f"replica A did not start: {proc.stderr.read()[-3000:]}")
+        raise AssertionError(f"replica A did not start: {stderr.read()[-3000:]}")
     return proc, json.loads(line[0][len("READY ") :])
 
 

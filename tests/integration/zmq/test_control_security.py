@@ -55,12 +55,15 @@ class Server:
 
     def _readline(self, timeout_s: float) -> str:
         out: list[str] = []
-        reader = threading.Thread(target=lambda: out.append(self.proc.stdout.readline()), daemon=True)
+        stdout = self.proc.stdout
+        assert stdout is not None  # a pipe
+        reader = threading.Thread(target=lambda: out.append(stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout_s)
         return out[0] if out else ""
 
     def stats(self) -> dict:
+        assert self.proc.stdin is not None  # a pipe
         self.proc.stdin.write("stats\n")
         self.proc.stdin.flush()
         return json.loads(self._readline(10))
@@ -85,6 +88,7 @@ class Server:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            assert self.proc.stdin is not None  # a pipe
             self.proc.stdin.write("quit\n")
             self.proc.stdin.flush()
             with contextlib.suppress(subprocess.TimeoutExpired):
