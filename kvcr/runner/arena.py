@@ -1,13 +1,11 @@
-"""One pool's DRAM arena: component regions over one allocation, and its free slots.
+"""One pool's DRAM arena: component regions over one allocation.
 
 Component ``k`` of slot ``s`` lives at ``region_k.base + s * piece_k``: each component is a dense
 region, so consecutive slots of one component are adjacent and batched copies merge into runs.
-Free slots are handed out lowest first, which keeps a batch's slots consecutive when it can.
+Which slots are free is the slot index's business (``index.py``).
 """
 
 from __future__ import annotations
-
-import bisect
 
 from kvcr.domain.layout import RegionDescriptor
 from kvcr.domain.pools import PoolSpec
@@ -23,7 +21,7 @@ def host_label(pool: str, component: str) -> str:
 
 
 class Arena:
-    """Slots of one pool in memory kvcr owns. Not thread-safe: the runner's lock guards it."""
+    """The memory of one pool's slots, which kvcr owns."""
 
     def __init__(self, pool: PoolSpec, slots: int, memory: HostMemory) -> None:
         self.pool = pool
@@ -44,27 +42,6 @@ class Arena:
             )
             offset += slots * component.piece_bytes
         self.regions: tuple[RegionDescriptor, ...] = tuple(regions)
-        self._free: list[int] = list(range(slots))
-
-    @property
-    def free_count(self) -> int:
-        return len(self._free)
-
-    def take(self, count: int) -> list[int]:
-        """Up to ``count`` free slots, lowest first."""
-        taken = self._free[:count]
-        del self._free[:count]
-        return taken
-
-    def give_back(self, slot: int) -> None:
-        """Return a slot to the free list (the caller guarantees nothing touches it)."""
-        bisect.insort(self._free, slot)
-
-    def give_back_many(self, slots: list[int]) -> None:
-        """Return several slots at once (one sort instead of one insertion each)."""
-        if slots:
-            self._free.extend(slots)
-            self._free.sort()
 
     def release(self) -> None:
         """Give the memory back (only when quiescent)."""

@@ -2,9 +2,10 @@
 
 The runner is the service layer over two pieces of bookkeeping: one slot index per physical pool
 (``index.py``: slot states, claims, eviction, prefix alignment) and the lease table of what peers
-hold (``leases.py``). It owns the lock around them, the arenas, the copies (outside the lock,
-protected by slot state: a slot being filled is FILLING, a slot being read is claimed), the
-counting and the inventory events. Memory and peers are reached only through ports.
+hold (``leases.py``). It owns the lock around them, the arenas (``pool_state.py`` checks their
+geometry against the engine's) and the copies, outside the lock and protected by slot state: a
+slot being filled is FILLING, a slot being read is claimed. ``accounting.py`` turns what each
+operation did into metrics and inventory events. Memory and peers are reached only through ports.
 
 Per page, a backup is all-or-nothing: a page becomes READY only after every component's piece
 was copied; a failed copy frees the page's slot and reports it unstored. With ``verify_bytes`` a
