@@ -31,7 +31,7 @@ from kvcr.ports.memory import HostMemory
 from kvcr.ports.metric_catalogue import FailureReason, Path, Result
 from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metrics import Metrics
-from kvcr.runner.peer_links import Link, PeerLinks, RemoteLease, count_miss
+from kvcr.runner.peer_links import Link, RemoteLease, SourceLinks, count_miss
 from kvcr.runner.protocol import NONCE_BYTES, Lease, LeaseReply, RefusalCode, Refused
 from kvcr.runner.runner import KvcrRunner
 from kvcr.runner.staging import StagingPool
@@ -76,7 +76,7 @@ class PeerSettings:
 class PeerClient:
     """Leases and reads pages from peer runners. Thread-safe.
 
-    The two halves it drives: ``PeerLinks`` (sessions with sources: HELLO, control calls, down-time)
+    The two halves it drives: ``SourceLinks`` (sessions with sources: HELLO, control calls, down-time)
     and ``Transfers`` (the data-plane reads, staging and quarantine).
 
     Args:
@@ -102,7 +102,7 @@ class PeerClient:
         self._timing = runner.config.timing
         self._specs = {p.name: p for p in runner.pools}
         self._page_bytes = {p.name: p.page_bytes for p in runner.pools}
-        self._links = PeerLinks(
+        self._links = SourceLinks(
             control,
             data_plane,
             clock,

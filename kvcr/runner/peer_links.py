@@ -90,7 +90,7 @@ def count_miss(metrics: Metrics, reason: FailureReason, pages: int) -> None:
     metrics.increment(M.PAGES, pages, {"path": Path.REMOTE_RESTORE, "outcome": Result.MISS})
 
 
-class PeerLinks:
+class SourceLinks:
     """Links to sources, by control endpoint. Thread-safe.
 
     Args:

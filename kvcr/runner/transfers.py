@@ -28,7 +28,7 @@ from kvcr.ports.memory import HostMemory, Move
 from kvcr.ports.metric_catalogue import FailureReason, Path
 from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metrics import Metrics
-from kvcr.runner.peer_links import Link, PeerLinks, RemoteLease, count_failure, count_miss
+from kvcr.runner.peer_links import Link, RemoteLease, SourceLinks, count_failure, count_miss
 from kvcr.runner.runner import KvcrRunner
 from kvcr.runner.staging import StagingBuffer, StagingPool
 
@@ -65,7 +65,7 @@ class Transfers:
     def __init__(
         self,
         runner: KvcrRunner,
-        links: PeerLinks,
+        links: SourceLinks,
         data_plane: DataPlane,
         memory: HostMemory,
         clock: Clock,
