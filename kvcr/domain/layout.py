@@ -149,6 +149,11 @@ class PieceRun:
         return None
 
 
+def page_extents(regions: Sequence[RegionDescriptor], slot: int) -> list[tuple[int, int]]:
+    """(address, bytes) of every component piece of page ``slot``: one per region, in component order."""
+    return [(r.base + slot * r.stride, r.piece_bytes) for r in regions]
+
+
 def slot_runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """Coalesce (src slot, dst slot) pairs into (src first, dst first, count) runs.
 

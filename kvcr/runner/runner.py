@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from kvcr.domain.errors import ClosedError, ConfigError, DeadlineExceeded, KvcrError, LayoutError
 from kvcr.domain.eviction import POLICIES
 from kvcr.domain.keys import check_page_hash
-from kvcr.domain.layout import RegionDescriptor, check_disjoint
+from kvcr.domain.layout import RegionDescriptor, check_disjoint, page_extents
 from kvcr.domain.outcomes import RESTORED, PageOutcome, failed, miss
 from kvcr.domain.pools import PoolSpec
 from kvcr.domain.residency import SlotState
@@ -119,6 +119,8 @@ class KvcrRunner:
             self._release_arenas()
             raise
         check_disjoint([r for p in self._pools.values() if p.arena for r in p.arena.regions])
+        # What a peer may lease from: the physical pools' indexes (fixed for the runner's life).
+        self._leasable = {name: p.index for name, p in self._pools.items() if p.arena is not None}
         self._gauges()
 
     def _index(self, arena: Arena | None) -> SlotIndex:
@@ -164,7 +166,7 @@ class KvcrRunner:
         """Digest of one host page across its components, bound to the page's key (what a peer's digest vouches for)."""
         state = self._physical(pool)
         regions = state.host_regions()
-        return self._memory.digest([(r.address(host_slot), r.piece_bytes) for r in regions], state.seed(page_hash))
+        return self._memory.digest(page_extents(regions, host_slot), state.seed(page_hash))
 
     def digest_extents(self, pool: str, extents: Sequence[tuple[int, int]], page_hash: str) -> bytes:
         """Digest of a page whose components sit at ``extents`` (staging memory), bound to its key."""
@@ -273,8 +275,7 @@ class KvcrRunner:
         regions = arena.regions
         digest = self._memory.digest
         for _, page, entry in fills:
-            slot = entry.slot
-            entry.digest = digest([(r.base + slot * r.stride, r.piece_bytes) for r in regions], state.seed(page))
+            entry.digest = digest(page_extents(regions, entry.slot), state.seed(page))
 
     def exists(self, pool: str, page_hashes: Sequence[str]) -> list[bool]:
         """Per page, whether it is READY in kvcr DRAM now."""
@@ -309,7 +310,7 @@ class KvcrRunner:
             state,
             page_hashes,
             lambda claimed: merged_moves(host, arena, [(host_slots[i], e.slot) for i, e in claimed]),
-            lambda i: [(r.base + host_slots[i] * r.stride, r.piece_bytes) for r in host],
+            lambda i: page_extents(host, host_slots[i]),
             prefix_only,
         )
 
@@ -401,8 +402,7 @@ class KvcrRunner:
             self._check_open()
             now = self._clock.now()
             self._expire_leases(now)
-            indexes = {name: p.index for name, p in pools.items() if p.arena is not None}
-            grant, leased = self._leases.lease(requests, indexes, holder, now, duration)
+            grant, leased = self._leases.lease(requests, self._leasable, holder, now, duration)
         pages = sum(leased.values())
         served = sum(n * pools[pool].spec.page_bytes for pool, n in leased.items())
         self._account.served(pages, served)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from kvcr.domain.layout import RegionDescriptor
+from kvcr.domain.layout import RegionDescriptor, page_extents
 from kvcr.domain.pools import PoolSpec
 from kvcr.ports.dataplane import DataPlane
 from kvcr.ports.memory import Allocation, HostMemory
@@ -31,7 +31,7 @@ class StagingBuffer:
 
     def extents(self, index: int) -> list[tuple[int, int]]:
         """(address, bytes) of every component piece of staged page ``index``."""
-        return [(r.base + index * r.stride, r.piece_bytes) for r in self.regions]
+        return page_extents(self.regions, index)
 
 
 class StagingPool:
