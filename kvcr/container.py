@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from dependency_injector import containers, providers
 
-from kvcr.domain.transports import TRANSPORT_NAMES, Transport
+from kvcr.domain.transports import Transport
 from kvcr.runner.config import RunnerConfig
 from kvcr.runner.node import NodeSettings, RunnerNode
 from kvcr.runner.prefetch import PrefetchBook
@@ -47,8 +47,6 @@ if TYPE_CHECKING:
     from kvcr.ports.inventory import InventorySink, KvEventPublisher
     from kvcr.ports.memory import HostMemory
     from kvcr.ports.metrics import Metrics
-
-TRANSPORTS = TRANSPORT_NAMES
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,24 +79,19 @@ def dp_index(config: Any) -> int:
     field is read on its own: SGLang raises on a name not yet published, and one missing field
     must not discard the other.
     """
-    replica = _parallel_field("dp_rank")
-    if replica is _UNPUBLISHED:
-        replica = os.environ.get("SGLANG_DP_RANK", "0")
-    groups = _parallel_field("attn_dp_size")
-    return int(replica or 0) * int(groups if groups is not _UNPUBLISHED and groups else 1) + int(config.dp_rank)
+    replica = _parallel_field("dp_rank", unpublished=os.environ.get("SGLANG_DP_RANK", "0"))
+    groups = _parallel_field("attn_dp_size", unpublished=1)
+    return int(replica or 0) * int(groups or 1) + int(config.dp_rank)
 
 
-_UNPUBLISHED = object()
-
-
-def _parallel_field(name: str) -> Any:
-    """``name`` from SGLang's parallel context, or ``_UNPUBLISHED`` (no context, or not published yet)."""
+def _parallel_field(name: str, *, unpublished: Any) -> Any:
+    """``name`` from SGLang's parallel context, or ``unpublished`` (no context, or not published yet)."""
     try:
         from sglang.srt.runtime_context import get_parallel
 
         return getattr(get_parallel(), name)
     except Exception:  # SGLang raises RuntimeError / ValueError for unpublished names; tools run without it
-        return _UNPUBLISHED
+        return unpublished
 
 
 def replicated(pool: str, config: Any) -> bool:

@@ -25,7 +25,6 @@ from kvcr.domain.transports import TRANSPORT_NAMES
 from kvcr.domain.units import parse_byte_size
 from kvcr.runner.peer_client import LANDINGS
 
-TRANSPORTS = TRANSPORT_NAMES
 MIN_TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 4096
 # A token of fewer distinct bytes than this is not random (``aaaa...``, ``0000...``, ``abababab...``):
@@ -263,8 +262,8 @@ def _strings(key: str, entries: list[Any]) -> tuple[str, ...]:
 
 
 def _check(s: KvcrSettings) -> None:
-    if s.transport not in TRANSPORTS:
-        raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {_shown(s.transport)}")
+    if s.transport not in TRANSPORT_NAMES:
+        raise ConfigError(f"transport must be one of {', '.join(TRANSPORT_NAMES)}, got {_shown(s.transport)}")
     if s.dram_bytes <= 0:
         raise ConfigError("dram_bytes must be positive")
     if not 0 <= s.control_port < 65536:
