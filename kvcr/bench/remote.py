@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvcr.adapters.local import MmapHostMemory
 from kvcr.bench.stats import Timing, markdown_table, timing
@@ -243,7 +243,7 @@ def run_remote(
     pool = bench_pool(page_bytes)
     # The bench measures steady-state reads, not failure handling: first contact (HELLO, the data
     # plane's wire-up over tcp between namespaces, on a loaded machine) gets seconds, not the serving
-    # defaults of 250 ms and 2 s, and a missed first lease is tried again (_lease_with_retries).
+    # defaults of 250 ms and 2 s, and a missed first lease is tried again (_retried).
     runner_timing = deadlines.Timing(
         operation_s=30.0,
         abandon_s=60.0,
@@ -281,7 +281,7 @@ def run_remote(
         keys: list[str] = info["keys"]
         endpoint: str = kvcr_source["endpoint"]
         try:
-            lease = _lease_with_retries(node, endpoint, keys)
+            lease = _retried(lambda: _lease_all(node, endpoint, keys), budget_s=30.0, pause_s=0.3)
             description, region_ids = data_plane_description(
                 info["endpoint"], dict(node.runner.namespaces), port + 2, token
             )
@@ -355,35 +355,31 @@ class RawControl:
         self._context.term()
 
 
-def _lease_with_retries(node: Any, endpoint: str, keys: list[str], budget_s: float = 30.0) -> Any:
-    """Lease every one of ``keys`` from ``endpoint``, trying again 0.3 s apart for up to ``budget_s``:
-    a first contact that misses (a peer still starting, a slow wire-up) is skipped for
-    ``retry_after_s`` and then dialled again."""
-    give_up = time.monotonic() + budget_s
-    while True:
-        lease = node.client.lease(endpoint, [("kv", keys)])
-        if lease is not None and len(lease.slots) == len(keys) and lease.link is not None:
-            return lease
-        if lease is not None:
-            node.client.release(lease)
-        if time.monotonic() >= give_up:
-            raise RuntimeError(f"could not lease the source's pages within {budget_s:g} s")
-        time.sleep(0.3)
+T = TypeVar("T")
 
 
-def _warm_up(call: Callable[[], None], budget_s: float = 5.0) -> None:
-    """Run ``call`` once unmeasured. A node's first contact with a peer may be a miss (over tcp its
-    link can still be wiring up, slower on a loaded machine): it is tried again, 0.2 s apart, for up
-    to ``budget_s``; measured calls must all succeed."""
+def _lease_all(node: Any, endpoint: str, keys: list[str]) -> Any:
+    """A lease of every one of ``keys`` from ``endpoint``; RuntimeError (nothing held) otherwise."""
+    lease = node.client.lease(endpoint, [("kv", keys)])
+    if lease is not None and len(lease.slots) == len(keys) and lease.link is not None:
+        return lease
+    if lease is not None:
+        node.client.release(lease)
+    raise RuntimeError("could not lease the source's pages")
+
+
+def _retried(call: Callable[[], T], budget_s: float, pause_s: float) -> T:
+    """``call``'s result, trying again ``pause_s`` apart for up to ``budget_s`` while it raises
+    RuntimeError. A node's first contact with a peer may be a miss (over tcp its link can still be
+    wiring up, slower on a loaded machine; a missed peer is skipped for ``retry_after_s``)."""
     give_up = time.monotonic() + budget_s
     while True:
         try:
-            call()
-            return
+            return call()
         except RuntimeError:
             if time.monotonic() >= give_up:
                 raise
-            time.sleep(0.2)
+            time.sleep(pause_s)
 
 
 def _measure(
@@ -437,7 +433,7 @@ def _measure(
         "control": control.ask,
     }
     for call in calls.values():
-        _warm_up(call)
+        _retried(call, budget_s=5.0, pause_s=0.2)  # unmeasured; measured calls must all succeed
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(reps):
         for name, call in calls.items():
