@@ -49,10 +49,12 @@ def test_strict_config_refuses_missing_keys_and_wrong_types():
         bad.runner()  # typed: nothing downstream ever sees the wrong type
 
 
-def test_two_nodes_on_one_mock_fabric_restore_through_the_container():
-    from kvcr.domain.outcomes import Outcome
+@pytest.fixture
+def mock_pair():
+    """Containers A (16 slots, holding ``pages`` backed up in slots 0..) and B (8) on one mock fabric."""
+    from types import SimpleNamespace
+
     from kvcr.runner.node import NodeSettings
-    from kvcr.runner.peer_client import PoolRead
     from tests.support import HostPool, content, sequence
 
     pool = kv_pool()
@@ -65,15 +67,30 @@ def test_two_nodes_on_one_mock_fabric_restore_through_the_container():
     host_a, host_b = HostPool(pool, 8), HostPool(pool, 8)
     node_a.register_host_pool("kv", host_a.regions)
     node_b.register_host_pool("kv", host_b.regions)
-    pages = sequence(3)
-    for i, page in enumerate(pages):
-        host_a.write_page(i, content(page, pool.page_bytes))
-    assert all(node_a.runner.backup("kv", pages, [0, 1, 2]))
-    result = node_b.client.restore(node_a.endpoint, [PoolRead("kv", pages, [5, 6, 7])])
+
+    def seed(n):
+        pages = sequence(n)
+        for i, page in enumerate(pages):
+            host_a.write_page(i, content(page, pool.page_bytes))
+        assert all(node_a.runner.backup("kv", pages, list(range(n))))
+        return pages
+
+    try:
+        yield SimpleNamespace(pool=pool, a=a, b=b, node_a=node_a, node_b=node_b, host_b=host_b, seed=seed)
+    finally:
+        node_a.close()
+        node_b.close()
+
+
+def test_two_nodes_on_one_mock_fabric_restore_through_the_container(mock_pair):
+    from kvcr.domain.outcomes import Outcome
+    from kvcr.runner.peer_client import PoolRead
+    from tests.support import content
+
+    pages = mock_pair.seed(3)
+    result = mock_pair.node_b.client.restore(mock_pair.node_a.endpoint, [PoolRead("kv", pages, [5, 6, 7])])
     assert [o.outcome for o in result["kv"]] == [Outcome.RESTORED] * 3
-    assert host_b.read_page(7) == content(pages[2], pool.page_bytes)
-    node_a.close()
-    node_b.close()
+    assert mock_pair.host_b.read_page(7) == content(pages[2], mock_pair.pool.page_bytes)
 
 
 def test_node_settings_refuse_undialable_endpoints():
@@ -100,32 +117,16 @@ def test_a_routable_bind_without_a_token_needs_an_explicit_opt_in():
     NodeSettings("::1", 5000)
 
 
-def test_the_restorer_the_container_builds_reads_from_peers_and_the_local_one_does_not():
-    from kvcr.runner.node import NodeSettings
+def test_the_restorer_the_container_builds_reads_from_peers_and_the_local_one_does_not(mock_pair):
     from kvcr.runner.restore import Source
-    from tests.support import HostPool, content, sequence
+    from tests.support import content
 
-    pool = kv_pool()
-    choices = dict(memory="mock", transport="mock", control="mock")
-    a = build_container(runner_config((pool,), 16, name="A"), node=NodeSettings("127.0.0.1", 7200), **choices)
-    b = build_container(runner_config((pool,), 8, name="B"), node=NodeSettings("127.0.0.1", 7300), **choices)
-    b.fabric.override(a.fabric())
-    node_a, node_b = a.node(), b.node()
-    host_a, host_b = HostPool(pool, 8), HostPool(pool, 8)
-    node_a.register_host_pool("kv", host_a.regions)
-    node_b.register_host_pool("kv", host_b.regions)
-    pages = sequence(2)
-    for i, page in enumerate(pages):
-        host_a.write_page(i, content(page, pool.page_bytes))
-    assert all(node_a.runner.backup("kv", pages, [0, 1]))
-    source = {"kv": Source(node_a.endpoint)}
-    try:
-        restorer = b.restorer()
-        assert restorer is b.restorer() and b.prefetch_book() is b.prefetch_book()
-        assert b.local_restorer().presence(pages, ["kv"], source) == {"kv": [False, False]}
-        assert restorer.presence(pages, ["kv"], source, request="r1") == {"kv": [True, True]}
-        assert restorer.read({"kv": (pages, [3, 4])}, source).restored == {"kv": [True, True]}
-        assert host_b.read_page(4) == content(pages[1], pool.page_bytes)
-    finally:
-        node_a.close()
-        node_b.close()
+    pages = mock_pair.seed(2)
+    b = mock_pair.b
+    source = {"kv": Source(mock_pair.node_a.endpoint)}
+    restorer = b.restorer()
+    assert restorer is b.restorer() and b.prefetch_book() is b.prefetch_book()
+    assert b.local_restorer().presence(pages, ["kv"], source) == {"kv": [False, False]}
+    assert restorer.presence(pages, ["kv"], source, request="r1") == {"kv": [True, True]}
+    assert restorer.read({"kv": (pages, [3, 4])}, source).restored == {"kv": [True, True]}
+    assert mock_pair.host_b.read_page(4) == content(pages[1], mock_pair.pool.page_bytes)
