@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +30,7 @@ from types import TracebackType
 from typing import IO, Any
 
 from kvcr.demo.dynamo.tiny_model import write_tiny_model
+from kvcr.testing.ports import free_port_block
 
 LOOPBACK = "127.0.0.1"
 _HOST_VARS = (
@@ -48,28 +47,27 @@ class DeploymentError(RuntimeError):
     """A process did not start, died, or a request failed; the message says which."""
 
 
+def log_tail(log: Path, lines: int = 15) -> str:
+    """The last lines of a child's log, for an error message read where the log is gone (CI)."""
+    try:
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    body = "".join(f"\n    {line}" for line in tail)
+    return f"; its last lines:{body}" if body else ""
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A free loopback port no outgoing connection will take first (see kvcr.testing.ports)."""
+    return free_port_block()
 
 
 def free_system_port() -> int:
-    """A free port below 32768: Dynamo 1.6.1 reads ``DYN_SYSTEM_PORT`` as an i16.
-
-    Below the kernel's ephemeral range, so nothing else is handed it meanwhile by chance.
-    """
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32768)
-        with socket.socket() as s:
-            try:
-                s.bind((LOOPBACK, port))
-            except OSError:
-                continue
-            return port
-    raise DeploymentError("no free port below 32768 for a worker's system server")
+    """A free port below 32768: Dynamo 1.6.1 reads ``DYN_SYSTEM_PORT`` as an i16."""
+    try:
+        return free_port_block(below=32768)
+    except RuntimeError as exc:
+        raise DeploymentError("no free port below 32768 for a worker's system server") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,11 +245,13 @@ class Deployment:
 
     def _check_alive(self, workers: Iterable[Worker]) -> None:
         if self._frontend is not None and self._frontend.poll() is not None:
-            raise DeploymentError(f"the frontend exited ({self._frontend.returncode}); see {self.workdir}/frontend.log")
+            log = self.workdir / "frontend.log"
+            raise DeploymentError(f"the frontend exited ({self._frontend.returncode}); see {log}{log_tail(log)}")
         for worker in workers:
             if worker.process.poll() is not None:
                 raise DeploymentError(
-                    f"worker {worker.spec.name} exited ({worker.process.returncode}); see {worker.log}"
+                    f"worker {worker.spec.name} exited ({worker.process.returncode}); "
+                    f"see {worker.log}{log_tail(worker.log)}"
                 )
 
     def wait_gone(self, worker: Worker, timeout_s: float = 60.0) -> None:
