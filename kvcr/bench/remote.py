@@ -281,7 +281,7 @@ def run_remote(
         keys: list[str] = info["keys"]
         endpoint: str = kvcr_source["endpoint"]
         try:
-            lease = _retried(lambda: _lease_all(node, endpoint, keys), budget_s=30.0, pause_s=0.3)
+            lease = _HeldLease(node, endpoint, keys)
             description, region_ids = data_plane_description(
                 info["endpoint"], dict(node.runner.namespaces), port + 2, token
             )
@@ -301,7 +301,7 @@ def run_remote(
             finally:
                 control.close()
                 raw.close()
-                node.client.release(lease)
+                lease.release()
         finally:
             node.close()
             host.free()
@@ -368,6 +368,37 @@ def _lease_all(node: Any, endpoint: str, keys: list[str]) -> Any:
     raise RuntimeError("could not lease the source's pages")
 
 
+class _HeldLease:
+    """The target's lease of every source page, taken again (unmeasured) before each repetition.
+
+    One lease outlives a whole measurement on a fast link, not on a slow one: 8 MiB x 128 over
+    UCX tcp/lo reads for seconds per call, past the source's 10 s lease within a few repetitions.
+    A renewed lease must name the same slots (the raw reader's prepared lists point at them).
+    """
+
+    def __init__(self, node: Any, endpoint: str, keys: list[str]) -> None:
+        self._node, self._endpoint, self._keys = node, endpoint, keys
+        self.current = self._take()
+
+    def _take(self) -> Any:
+        return _retried(lambda: _lease_all(self._node, self._endpoint, self._keys), budget_s=30.0, pause_s=0.3)
+
+    @property
+    def slots(self) -> dict[tuple[str, str], int]:
+        slots: dict[tuple[str, str], int] = self.current.slots
+        return slots
+
+    def renew(self) -> None:
+        fresh = self._take()
+        old, self.current = self.current, fresh
+        self._node.client.release(old)
+        if fresh.slots != old.slots:
+            raise RuntimeError("the source moved its pages between two leases")
+
+    def release(self) -> None:
+        self._node.client.release(self.current)
+
+
 def _retried(call: Callable[[], T], budget_s: float, pause_s: float) -> T:
     """``call``'s result, trying again ``pause_s`` apart for up to ``budget_s`` while it raises
     RuntimeError. A node's first contact with a peer may be a miss (over tcp its link can still be
@@ -387,7 +418,7 @@ def _measure(
     checking: Any,
     raw: RawReader,
     control: RawControl,
-    lease: Any,
+    lease: _HeldLease,
     host: HostPool,
     scratch: Any,
     keys: list[str],
@@ -405,7 +436,7 @@ def _measure(
     nbytes = batch * page_bytes
 
     def kvcr_read() -> None:
-        if not all(o.restored for o in node.client.read(lease, request)["kv"]):
+        if not all(o.restored for o in node.client.read(lease.current, request)["kv"]):
             raise RuntimeError("a leased read did not restore every page")
 
     def kvcr_restore() -> None:
@@ -436,6 +467,7 @@ def _measure(
         _retried(call, budget_s=5.0, pause_s=0.2)  # unmeasured; measured calls must all succeed
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(reps):
+        lease.renew()  # unmeasured: a slow link outlasts one lease
         for name, call in calls.items():
             start = time.perf_counter()
             call()

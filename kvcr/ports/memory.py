@@ -48,6 +48,16 @@ class HostMemory(Protocol):
             MemoryCopyError: some move did not complete; destinations are undefined.
         """
 
+    def copy_digested(self, pages: Sequence[Sequence[Move]], seeds: Sequence[bytes]) -> list[bytes]:
+        """Perform every page's moves and return, per page, the digest of what landed at its destinations.
+
+        Each digest equals ``digest`` over that page's destination extents, in move order, with its
+        seed; computing it while the bytes are still in cache is what makes integrity cheap.
+
+        Raises:
+            MemoryCopyError: some move did not complete; destinations are undefined.
+        """
+
     def read(self, address: int, nbytes: int) -> bytes:
         """Return a copy of ``nbytes`` at ``address`` (diagnostics)."""
 

@@ -35,7 +35,7 @@ class RunnerConfig:
     pool_dram_bytes: Mapping[str, int] = field(default_factory=dict)
     policy: str = "lru"
     timing: Timing = field(default_factory=Timing)
-    verify_bytes: bool = False
+    verify_bytes: bool = True
     max_leased_fraction: float = 0.5
     max_peer_leased_fraction: float = 0.5
     max_peer_leases: int = 1024

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvcr.domain.errors import LayoutError
-from kvcr.domain.layout import RegionDescriptor, slot_runs
+from kvcr.domain.layout import RegionDescriptor, page_extents, slot_runs
 from kvcr.domain.pools import PoolSpec
 from kvcr.ports.memory import Move
 from kvcr.runner.arena import Arena, host_label
@@ -81,6 +81,18 @@ class PoolState:
     def seed(self, page_hash: str) -> bytes:
         """What a page's digest is bound to: its pool's namespace, the pool and the key."""
         return f"{self.namespace}#{self.name}#{page_hash}".encode()
+
+
+def page_moves(
+    dst_regions: Sequence[RegionDescriptor], dst_slot: int, src_regions: Sequence[RegionDescriptor], src_slot: int
+) -> list[Move]:
+    """One page's moves, one per component in component order (what its digest runs over)."""
+    return [
+        Move(dst, src, nbytes)
+        for (dst, nbytes), (src, _) in zip(
+            page_extents(dst_regions, dst_slot), page_extents(src_regions, src_slot), strict=True
+        )
+    ]
 
 
 def merged_moves(

@@ -42,7 +42,7 @@ from kvcr.runner.arena import Arena
 from kvcr.runner.config import RunnerConfig
 from kvcr.runner.index import Entry, Fill, SlotIndex
 from kvcr.runner.leases import HeldLease, LeaseGrant, LeaseTable
-from kvcr.runner.pool_state import PoolState, merged_moves
+from kvcr.runner.pool_state import PoolState, merged_moves, page_moves
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,11 @@ class QueryResult:
 
     present: tuple[bool, ...]
     prefix: int
+
+
+# One page's moves (its position in the batch, its entry) and a whole batch's coalesced moves.
+PageMoves = Callable[[int, Entry], list[Move]]
+BatchMoves = Callable[[list[tuple[int, Entry]]], list[Move]]
 
 
 class KvcrRunner:
@@ -216,6 +221,7 @@ class KvcrRunner:
         return self._backup(
             state,
             page_hashes,
+            lambda i, e: page_moves(arena, e.slot, host, host_slots[i]),
             lambda fills: merged_moves(arena, host, [(e.slot, host_slots[i]) for i, e in fills]),
             parent,
         )
@@ -229,11 +235,8 @@ class KvcrRunner:
         return self._backup(
             state,
             [page_hash],
-            lambda fills: [
-                Move(r.address(e.slot), src, r.piece_bytes)
-                for _, e in fills
-                for r, src in zip(arena, sources, strict=True)
-            ],
+            lambda _, e: [Move(r.address(e.slot), src, r.piece_bytes) for r, src in zip(arena, sources, strict=True)],
+            None,
             None,
         )[0]
 
@@ -241,7 +244,8 @@ class KvcrRunner:
         self,
         state: PoolState,
         page_hashes: Sequence[str],
-        plan: Callable[[list[tuple[int, Entry]]], list[Move]],
+        moves_of: PageMoves,
+        merged: BatchMoves | None,
         parent: str | None,
     ) -> list[bool]:
         if parent is not None:
@@ -255,9 +259,10 @@ class KvcrRunner:
         copied = False
         try:
             if fills:
-                self._memory.copy(plan([(i, e) for i, _, e in fills]))
-                if self._verify:
-                    self._seal(state, fills)
+                digests = self._copy(state, page_hashes, [(i, e) for i, _, e in fills], moves_of, merged)
+                if digests is not None:  # of kvcr's own copy; FILLING, so nobody else reads these entries yet
+                    for (_, _, entry), digest in zip(fills, digests, strict=True):
+                        entry.digest = digest
             copied = True
         except MemoryCopyError as exc:
             log.warning("backup of %d pages of pool %s failed: %s", len(fills), state.spec.name, exc)
@@ -268,14 +273,24 @@ class KvcrRunner:
                 self._quiet.notify_all()
         return results
 
-    def _seal(self, state: PoolState, fills: list[Fill]) -> None:
-        """Digest every freshly copied page from kvcr's own copy (FILLING: nobody else reads it yet)."""
-        arena = state.arena
-        assert arena is not None
-        regions = arena.regions
-        digest = self._memory.digest
-        for _, page, entry in fills:
-            entry.digest = digest(page_extents(regions, entry.slot), state.seed(page))
+    def _copy(
+        self,
+        state: PoolState,
+        page_hashes: Sequence[str],
+        items: list[tuple[int, Entry]],
+        moves_of: PageMoves,
+        merged: BatchMoves | None,
+    ) -> list[bytes] | None:
+        """Copy the items' pages; with ``verify_bytes`` return, per item, the digest of what landed.
+
+        Verified copies go page by page, hashed while they copy (``HostMemory.copy_digested``);
+        the others go as one coalesced batch where the caller can plan one.
+        """
+        if self._verify:
+            seeds = [state.seed(page_hashes[i]) for i, _ in items]
+            return self._memory.copy_digested([moves_of(i, e) for i, e in items], seeds)
+        self._memory.copy(merged(items) if merged is not None else [m for i, e in items for m in moves_of(i, e)])
+        return None
 
     def exists(self, pool: str, page_hashes: Sequence[str]) -> list[bool]:
         """Per page, whether it is READY in kvcr DRAM now."""
@@ -309,8 +324,8 @@ class KvcrRunner:
         return self._restore(
             state,
             page_hashes,
+            lambda i, e: page_moves(host, host_slots[i], arena, e.slot),
             lambda claimed: merged_moves(host, arena, [(host_slots[i], e.slot) for i, e in claimed]),
-            lambda i: page_extents(host, host_slots[i]),
             prefix_only,
         )
 
@@ -323,12 +338,10 @@ class KvcrRunner:
         return self._restore(
             state,
             [page_hash],
-            lambda claimed: [
-                Move(dst, r.address(e.slot), r.piece_bytes)
-                for _, e in claimed
-                for r, dst in zip(arena, destinations, strict=True)
+            lambda _, e: [
+                Move(dst, r.address(e.slot), r.piece_bytes) for r, dst in zip(arena, destinations, strict=True)
             ],
-            lambda _: [(dst, r.piece_bytes) for r, dst in zip(arena, destinations, strict=True)],
+            None,
             False,
         )[0].restored
 
@@ -336,8 +349,8 @@ class KvcrRunner:
         self,
         state: PoolState,
         page_hashes: Sequence[str],
-        plan: Callable[[list[tuple[int, Entry]]], list[Move]],
-        delivered: Callable[[int], Sequence[tuple[int, int]]],
+        moves_of: PageMoves,
+        merged: BatchMoves | None,
         prefix_only: bool,
     ) -> list[PageOutcome]:
         started = self._clock.now()
@@ -351,9 +364,9 @@ class KvcrRunner:
         corrupt: list[int] = []
         try:
             if claimed:
-                self._memory.copy(plan(claimed))
-                if self._verify:
-                    corrupt = self._check_delivered(state, page_hashes, claimed, delivered)
+                digests = self._copy(state, page_hashes, claimed, moves_of, merged)
+                if digests is not None:  # what landed in the host page must match the backup digest
+                    corrupt = [i for (i, entry), d in zip(claimed, digests, strict=True) if d != entry.digest]
             copied = True
         except MemoryCopyError as exc:
             log.warning("restore of %d pages of pool %s failed: %s", len(claimed), state.spec.name, exc)
@@ -375,17 +388,6 @@ class KvcrRunner:
             state, len(page_hashes), len(claimed), len(corrupt), copied, self._clock.now() - started
         )
         return outcomes
-
-    def _check_delivered(
-        self,
-        state: PoolState,
-        page_hashes: Sequence[str],
-        claimed: list[tuple[int, Entry]],
-        delivered: Callable[[int], Sequence[tuple[int, int]]],
-    ) -> list[int]:
-        """Positions of claimed pages whose delivered bytes do not match their backup digest."""
-        digest = self._memory.digest
-        return [i for i, entry in claimed if digest(delivered(i), state.seed(page_hashes[i])) != entry.digest]
 
     def lease(self, requests: Sequence[tuple[str, Sequence[str]]], duration_s: float, *, holder: int = 0) -> LeaseGrant:
         """Hold READY pages for a peer until the lease expires on our clock or is released.

@@ -34,6 +34,9 @@ from kvcr.runner.staging import StagingBuffer, StagingPool
 
 log = logging.getLogger(__name__)
 
+_CORRUPT = failed("bytes differ from the source's digest")
+_UNSIGNED = failed("the source sent no digest for the page (verify_bytes off there?)")
+
 
 @dataclass(frozen=True, slots=True)
 class PoolRead:
@@ -204,23 +207,34 @@ class Transfers:
         if not self._verify:
             return [RESTORED] * len(chunk)
         outcomes: list[PageOutcome] = []
-        bad = 0
+        bad = unsigned = 0
         for item in chunk:
             expected = lease.digests.get((item.pool, item.page), b"")
+            if not expected:  # fail closed: a page nobody vouches for is not served
+                unsigned += 1
+                outcomes.append(_UNSIGNED)
+                continue
             extents = staged(item)
             if extents is None:
                 actual = self._runner.host_digest(item.pool, item.host_slot, item.page)
             else:
                 actual = self._runner.digest_extents(item.pool, extents, item.page)
-            if expected and actual == expected:
+            if actual == expected:
                 outcomes.append(RESTORED)
             else:
                 bad += 1
-                outcomes.append(failed("bytes differ from the source's digest"))
-        if bad:
-            self._metrics.increment(M.VERIFICATION_FAILURES, bad, {"path": Path.REMOTE_RESTORE})
+                outcomes.append(_CORRUPT)
+        if bad or unsigned:
+            self._metrics.increment(M.VERIFICATION_FAILURES, bad + unsigned, {"path": Path.REMOTE_RESTORE})
             count_failure(self._metrics, FailureReason.VERIFICATION)
+        if bad:
             log.error("kvcr: %d pages read from %s failed verification; reported as misses", bad, lease.endpoint)
+        if unsigned:
+            log.error(
+                "kvcr: %d pages read from %s came without a digest (is verify_bytes off there?); reported as misses",
+                unsigned,
+                lease.endpoint,
+            )
         return outcomes
 
     def _transfer(

@@ -254,14 +254,19 @@ def test_a_page_is_not_present_while_its_copy_is_still_running(build):
     fill(host, pages, [0, 1])
     memory = runner._memory
     entered, gate = threading.Event(), threading.Event()
-    copy = memory.copy
+    copy, copy_digested = memory.copy, memory.copy_digested
 
     def slow_copy(moves):
         entered.set()
         gate.wait(5)
         copy(moves)
 
-    memory.copy = slow_copy
+    def slow_copy_digested(pages, seeds):  # the verify_bytes path (the default)
+        entered.set()
+        gate.wait(5)
+        return copy_digested(pages, seeds)
+
+    memory.copy, memory.copy_digested = slow_copy, slow_copy_digested
     writer = threading.Thread(target=runner.backup, args=("kv", pages, [0, 1]))
     writer.start()
     try:
@@ -272,7 +277,7 @@ def test_a_page_is_not_present_while_its_copy_is_still_running(build):
     finally:
         gate.set()
         writer.join(5)
-        memory.copy = copy
+        memory.copy, memory.copy_digested = copy, copy_digested
     assert runner.exists("kv", pages) == [True, True]
 
 

@@ -489,6 +489,17 @@ def test_without_verification_every_delivered_page_is_restored(cluster):
     assert [o.outcome for o in result["kv"]] == [Outcome.RESTORED] * 2
 
 
+def test_a_verifying_target_serves_nothing_a_source_sent_without_digests(cluster, caplog):
+    a = cluster.make("A", verify_bytes=False)  # an older source, or one an operator turned off
+    b = cluster.make("B", verify_bytes=True)
+    seed(a, sequence(2), [0, 1])
+    with caplog.at_level(logging.ERROR, logger="kvcr.runner"):
+        result = b.client.restore(a.endpoint, [PoolRead("kv", sequence(2), [5, 6])])
+    assert reasons(result) == ["the source sent no digest for the page (verify_bytes off there?)"] * 2
+    assert counter(b, "kvcr_verification_failures_total{path=remote_restore}") == 2
+    assert any("without a digest" in r.getMessage() for r in caplog.records)
+
+
 def test_corrupt_pages_fail_verification_with_their_reason(cluster):
     a = cluster.make("A", faults=Faults(corrupt=True))
     b = cluster.make("B")

@@ -599,7 +599,7 @@ def test_pool_stats_read_as_a_plain_dict(env):
 
 
 def test_a_lease_carries_no_digest_without_verify_bytes_and_the_backup_digest_with_it(env):
-    plain, verified = env(), env(verify_bytes=True)
+    plain, verified = env(verify_bytes=False), env()  # verify_bytes is on by default
     page = sequence(1)
     plain.store(page)
     verified.store(page)

@@ -43,7 +43,7 @@ def test_bad_settings_name_the_setting(extra, match):
 
 def test_sglang_keys_pass_through_and_defaults_hold():
     settings = parse_settings({"backend_name": "kvcr", "interface_v1": 1, "prefetch_timeout_base": 15.0})
-    assert not settings.verify_bytes and settings.landing == "auto" and settings.control_timeout_ms == 250
+    assert settings.verify_bytes and settings.landing == "auto" and settings.control_timeout_ms == 250
 
 
 def write_token(tmp_path, data, mode=0o600):

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvcr.adapters.digests import page_digest
+from kvcr.adapters.digests import copy_and_digest, page_digest
 from kvcr.ports.errors import MemoryCopyError, RegistrationError
 from kvcr.ports.memory import Allocation, Move
 
@@ -58,6 +58,12 @@ class MmapHostMemory:
         try:
             for move in moves:
                 _memmove(move.dst, move.src, move.nbytes)
+        except (ctypes.ArgumentError, OSError, ValueError) as exc:
+            raise MemoryCopyError(f"copy failed: {exc}") from exc
+
+    def copy_digested(self, pages: Sequence[Sequence[Move]], seeds: Sequence[bytes]) -> list[bytes]:
+        try:
+            return [copy_and_digest(moves, seed) for moves, seed in zip(pages, seeds, strict=True)]
         except (ctypes.ArgumentError, OSError, ValueError) as exc:
             raise MemoryCopyError(f"copy failed: {exc}") from exc
 

@@ -45,6 +45,11 @@ class MockHostMemory:
                 raise MemoryCopyError(f"injected failure after {limit} moves")
             ctypes.memmove(move.dst, move.src, move.nbytes)
 
+    def copy_digested(self, pages: Sequence[Sequence[Move]], seeds: Sequence[bytes]) -> list[bytes]:
+        """Copy first, digest the destinations after: the plain two passes the real adapter fuses."""
+        self.copy([move for moves in pages for move in moves])
+        return [page_digest([(m.dst, m.nbytes) for m in moves], seed) for moves, seed in zip(pages, seeds, strict=True)]
+
     def read(self, address: int, nbytes: int) -> bytes:
         return ctypes.string_at(address, nbytes)
 

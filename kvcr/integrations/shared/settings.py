@@ -67,7 +67,7 @@ class KvcrSettings:
     lease_ms: int = 10000
     peer_retry_ms: int = 1000
     read_batch_pages: int = 128
-    verify_bytes: bool = False
+    verify_bytes: bool = True
     landing: str = "auto"
     auth_token_file: str | None = None
     rotation_token_files: tuple[str, ...] = ()
