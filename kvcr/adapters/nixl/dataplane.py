@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import itertools
 import logging
 import os
@@ -70,29 +69,21 @@ from typing import TYPE_CHECKING, Any
 
 from kvcr.adapters.nixl import wire
 from kvcr.adapters.nixl.agent import build_agent, nixl_errors, transport_report, ucx_environment
+from kvcr.adapters.nixl.beacon import BEACON_BYTES, SCRATCH_SLOTS, Beacon, digest
+from kvcr.adapters.nixl.regions import LocalRegions
 from kvcr.adapters.nixl.wire import Description, Extent
 from kvcr.domain.errors import KvcrError
 from kvcr.domain.layout import PieceRun, RegionDescriptor
 from kvcr.ports.dataplane import PeerInfo, TransferState
-from kvcr.ports.errors import PeerUnavailable, RegistrationError, TransportError
+from kvcr.ports.errors import PeerUnavailable, TransportError
 
 if TYPE_CHECKING:
     from kvcr.adapters.nixl.probe import ZeroCopyReport
 
 log = logging.getLogger(__name__)
 
-BEACON_BYTES = 256 << 10  # a tcp READ of this size cannot complete within SYNC_WINDOW_S of its post
-SCRATCH_SLOTS = 8  # concurrent connects; a slot whose READ never ended stays taken
 SYNC_WINDOW_S = 50e-6  # a look at the slot later than this after the post proves nothing
-_INIT_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for "our own side" of a prepared list
 _STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING, "ERR": TransferState.FAILED}
-
-
-@dataclass(slots=True)
-class _Local:
-    region: RegionDescriptor
-    exposed: bool
-    registration: Any
 
 
 @dataclass(slots=True)
@@ -143,10 +134,6 @@ class NixlDataPlane:
         self._params = {str(k): str(v) for k, v in (backend_params or {}).items()}
         self._lock = threading.Lock()
         self._closed = False
-        self._locals: dict[int, _Local] = {}
-        self._extents: dict[int, Extent] = {}
-        self._local_dlist: Any = None
-        self._region_ids = itertools.count(1)
         self._description: bytes | None = None
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[int, _Transfer] = {}
@@ -156,17 +143,12 @@ class NixlDataPlane:
         self._host = wire.host_identity()
         self.metadata_loads = 0  # add_remote_agent calls, for observability and tests
         self._ucx_environment = ucx_environment()  # what the agent's UCX was built with
-        self._registered = 0  # NIXL memory registrations held (what `registrations` reports)
         self._agent, self._np, self._peer_errors = build_agent(name, self._params, progress_wake_s)
-        # The beacon peers read to wire up and to learn how our reads complete; scratch slots are
-        # where our own such reads land (a slot is reused only after its READ has ended).
-        self._beacon = ctypes.create_string_buffer(os.urandom(BEACON_BYTES), BEACON_BYTES)
-        self._beacon_digest = _digest(self._beacon.raw)
-        self._scratch = ctypes.create_string_buffer(BEACON_BYTES * SCRATCH_SLOTS)
-        self._free_slots = list(range(SCRATCH_SLOTS))
+        self._regions = LocalRegions(name, self._agent, self._np, self._retire)
+        self._beacon = Beacon()
         with nixl_errors(f"{name}: cannot register memory with NIXL"):
-            self._beacon_registration = self._register_extent(ctypes.addressof(self._beacon), BEACON_BYTES)
-            self._scratch_registration = self._register_extent(ctypes.addressof(self._scratch), len(self._scratch))
+            self._beacon_registration = self._regions.register_extent(self._beacon.address, BEACON_BYTES)
+            self._scratch_registration = self._regions.register_extent(*self._beacon.scratch_extent)
         # The zero-copy probe takes a moment: begin it now so the first connect (on an engine's
         # first hit query) does not wait for it.
         params = dict(self._params)
@@ -195,57 +177,29 @@ class NixlDataPlane:
     def registrations(self) -> int:
         """NIXL memory registrations this plane holds (beacon and scratch included); 0 after a clean close."""
         with self._lock:
-            return self._registered
+            return self._regions.registrations
 
     # ------------------------------------------------------------------ registration
 
     def register(self, regions: Sequence[RegionDescriptor], *, exposed: bool) -> tuple[int, ...]:
         with self._lock:
             self._check_open()
-            known = [entry.region for entry in self._locals.values()]
-            for i, region in enumerate(regions):
-                for other in [*known, *regions[:i]]:
-                    if region.overlaps(other):
-                        raise RegistrationError(f"{self._name}: region {region.label!r} overlaps {other.label!r}")
-            added: list[int] = []
             try:
-                for region in regions:
-                    registration = self._register_extent(region.base, region.span)
-                    region_id = next(self._region_ids)
-                    self._locals[region_id] = _Local(region, exposed, registration)
-                    added.append(region_id)
-                self._rebuild_local(exposed_changed=exposed)
-            except Exception as exc:
-                for region_id in added:
-                    entry = self._locals.pop(region_id)
-                    with contextlib.suppress(Exception):  # undoing our own half-done registration
-                        self._deregister_extent(entry.registration)
-                with contextlib.suppress(Exception):
-                    self._rebuild_local(exposed_changed=exposed)
-                labels = [r.label for r in regions]
-                raise RegistrationError(f"{self._name}: cannot register {labels}: {exc}") from exc
-            return tuple(added)
+                return self._regions.add(regions, exposed=exposed)
+            finally:
+                if exposed:
+                    self._description = None  # what we expose changed (or was rolled back): describe anew
 
     def deregister(self, ids: Sequence[int]) -> None:
         with self._lock:
             if self._closed:
                 return
-            failures = []
-            exposed_changed = changed = False
-            for region_id in ids:
-                entry = self._locals.pop(region_id, None)
-                if entry is None:
-                    continue
-                changed = True
-                exposed_changed |= entry.exposed
-                try:
-                    self._deregister_extent(entry.registration)
-                except Exception as exc:
-                    failures.append(f"{entry.region.label!r}: {exc}")
-            if changed:
-                self._rebuild_local(exposed_changed=exposed_changed)
-            if failures:
-                raise RegistrationError(f"{self._name}: deregistration failed for {', '.join(failures)}")
+            exposed_changed = True  # until remove() says otherwise, also when it raised part-way
+            try:
+                exposed_changed = self._regions.remove(ids)
+            finally:
+                if exposed_changed:
+                    self._description = None
 
     # ------------------------------------------------------------------ peers
 
@@ -253,9 +207,9 @@ class NixlDataPlane:
         with self._lock:
             self._check_open()
             if self._description is None:
-                exposed = [(i, e.region) for i, e in self._locals.items() if e.exposed]
+                exposed = self._regions.exposed()
                 rows = [(r.base, r.span, 0, "") for _, r in exposed]
-                rows.append((ctypes.addressof(self._beacon), BEACON_BYTES, 0, ""))
+                rows.append((self._beacon.address, BEACON_BYTES, 0, ""))
                 descs = self._agent.get_reg_descs(rows, "DRAM")
                 metadata = bytes(self._agent.get_partial_agent_metadata(descs, inc_conn_info=True))
                 table = [wire.RegionWire(i, r.base, r.stride, r.count, r.piece_bytes) for i, r in exposed]
@@ -267,8 +221,8 @@ class NixlDataPlane:
                         self._host,
                         metadata,
                         table,
-                        ctypes.addressof(self._beacon),
-                        self._beacon_digest,
+                        self._beacon.address,
+                        self._beacon.digest,
                     )
                 )
             return self._description
@@ -359,7 +313,7 @@ class NixlDataPlane:
             agent = self._agent
             xfer = None
             try:
-                xfer = agent.make_prepped_xfer("READ", self._local_dlist, dst_index, link.dlist, src_index)
+                xfer = agent.make_prepped_xfer("READ", self._regions.dlist, dst_index, link.dlist, src_index)
                 status = agent.transfer(xfer)
             except Exception as exc:
                 # NIXL refuses a post to a failed endpoint before anything moves (the peer died).
@@ -424,15 +378,9 @@ class NixlDataPlane:
                 if link.loaded:
                     _attempt(failures, f"remove {link.name!r}", self._agent.remove_remote_agent, link.name)
             self._peers.clear()
-            self._retire(self._local_dlist)
-            self._local_dlist = None
+            self._regions.retire_list()
             self._reap()
-            registrations = [e.registration for e in self._locals.values()]
-            registrations += [self._beacon_registration, self._scratch_registration]
-            for registration in registrations:
-                _attempt(failures, "deregister memory", self._deregister_extent, registration)
-            self._locals.clear()
-            self._extents.clear()
+            failures += self._regions.close(own=(self._beacon_registration, self._scratch_registration))
             self._agent = None  # the last reference: NIXL stops its thread, destroys the agent and UCX worker
         if failures:
             raise TransportError(f"{self._name}: close left work undone: {'; '.join(failures)}")
@@ -444,7 +392,7 @@ class NixlDataPlane:
 
         The hot path of a read: region lookups only when a run's region differs from the last.
         """
-        remote, local = link.extents, self._extents
+        remote, local = link.extents, self._regions.extents
         src_index: list[int] = []
         dst_index: list[int] = []
         add_src, add_dst = src_index.append, dst_index.append
@@ -512,11 +460,10 @@ class NixlDataPlane:
         """
         with self._lock:
             self._check_open()
-            if not self._free_slots:
+            slot = self._beacon.take_slot()
+            if slot is None:
                 raise PeerUnavailable(f"{self._name}: {SCRATCH_SLOTS} connects are still waiting for their peers")
-            slot = self._free_slots.pop()
-            address = ctypes.addressof(self._scratch) + slot * BEACON_BYTES
-            ctypes.memset(address, 0, BEACON_BYTES)
+            address = self._beacon.slot_address(slot)
             agent, np = self._agent, self._np
             xfer = None
             try:
@@ -528,7 +475,7 @@ class NixlDataPlane:
                 seen = ctypes.string_at(address, BEACON_BYTES)
                 after = time.perf_counter() - posted
             except Exception as exc:
-                self._free_slots.append(slot)
+                self._beacon.give_back(slot)
                 if xfer is not None:
                     with contextlib.suppress(Exception):  # its post failed: nothing is in flight
                         xfer.release()
@@ -552,8 +499,8 @@ class NixlDataPlane:
             if spins > 64:
                 time.sleep(200e-6)
 
-    def _finish_internal(self, handle: int, digest: bytes) -> bool:
-        """End an internal READ: if it is over, free its slot and say whether the slot holds ``digest``.
+    def _finish_internal(self, handle: int, expected: bytes) -> bool:
+        """End an internal READ: if it is over, free its slot and say whether the slot's digest is ``expected``.
 
         One that is still live keeps its handle and slot (swept once it ends) and answers False.
         """
@@ -563,9 +510,8 @@ class NixlDataPlane:
                 return False
             del self._transfers[handle]
             assert transfer.slot is not None
-            address = ctypes.addressof(self._scratch) + transfer.slot * BEACON_BYTES
-            held = transfer.state is TransferState.DONE and _digest(ctypes.string_at(address, BEACON_BYTES)) == digest
-            self._free_slots.append(transfer.slot)
+            held = transfer.state is TransferState.DONE and digest(self._beacon.slot_bytes(transfer.slot)) == expected
+            self._beacon.give_back(transfer.slot)
             with contextlib.suppress(TransportError):  # an ended READ: releasing it frees NIXL's request
                 self._detach(transfer)
             self._after_end(transfer)
@@ -578,7 +524,7 @@ class NixlDataPlane:
                 self._refresh(transfer)
                 if transfer.state.terminal:
                     del self._transfers[handle]
-                    self._free_slots.append(transfer.slot)
+                    self._beacon.give_back(transfer.slot)
                     with contextlib.suppress(TransportError):
                         self._detach(transfer)
                     self._after_end(transfer)
@@ -604,7 +550,7 @@ class NixlDataPlane:
                 return False
             if after > SYNC_WINDOW_S:
                 continue
-            if _digest(seen) != desc.beacon_digest:
+            if digest(seen) != desc.beacon_digest:
                 return False
             complete += 1
             if complete == 2:
@@ -612,30 +558,6 @@ class NixlDataPlane:
         return False
 
     # ------------------------------------------------------------------ NIXL plumbing
-
-    def _register_extent(self, base: int, nbytes: int) -> Any:
-        registration = self._agent.register_memory([(base, nbytes, 0, "")], "DRAM")
-        self._registered += 1
-        return registration
-
-    def _deregister_extent(self, registration: Any) -> None:
-        self._agent.deregister_memory(registration)
-        self._registered -= 1
-
-    def _rebuild_local(self, *, exposed_changed: bool) -> None:
-        extents: dict[int, Extent] = {}
-        rows: list[list[int]] = []
-        first = 0
-        for region_id, entry in self._locals.items():
-            region = entry.region
-            extents[region_id] = (first, region.count, region.piece_bytes)
-            rows.append(wire.row(region))
-            first += region.count
-        dlist = self._prep(_INIT_AGENT, rows) if rows else None
-        self._retire(self._local_dlist)
-        self._extents, self._local_dlist = extents, dlist
-        if exposed_changed:
-            self._description = None
 
     def _prep(self, agent_name: str, rows: list[list[int]]) -> Any:
         return self._agent.prep_xfer_dlist(agent_name, self._np.array(rows, dtype=self._np.uint64), "DRAM")
@@ -695,10 +617,6 @@ class NixlDataPlane:
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError(f"data plane {self._name!r} is closed")
-
-
-def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _attempt(failures: list[str], what: str, call: Any, *args: Any) -> None:
