@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from dependency_injector import containers, providers
 
-from kvcr.domain.transports import Transport
+from kvcr.domain.transports import SHARES_MEMORY, Transport
 from kvcr.runner.config import RunnerConfig
 from kvcr.runner.node import NodeSettings, RunnerNode
 from kvcr.runner.prefetch import PrefetchBook
@@ -66,6 +66,12 @@ def _mmap_memory() -> HostMemory:
     from kvcr.adapters.local import MmapHostMemory
 
     return MmapHostMemory()
+
+
+def _shared_memory() -> HostMemory:
+    from kvcr.adapters.local import MmapHostMemory
+
+    return MmapHostMemory(shared=True)
 
 
 def _mock_memory() -> HostMemory:
@@ -156,6 +162,22 @@ def _nixl_data_plane(config: RunnerConfig) -> DataPlane:
     return NixlDataPlane(config.name)
 
 
+def _shm_data_plane(config: RunnerConfig, memory: HostMemory) -> DataPlane:
+    from kvcr.adapters.shm import ShmDataPlane
+    from kvcr.ports.errors import TransportError
+    from kvcr.ports.memory import SharesMemory
+
+    if not isinstance(memory, SharesMemory) or not getattr(memory, "shared", False):
+        raise TransportError("transport shm/auto needs shared host memory (memory: shared)")
+    return ShmDataPlane(config.name, memory)
+
+
+def _auto_data_plane(config: RunnerConfig, memory: HostMemory) -> DataPlane:
+    from kvcr.adapters.shm import SameHostFirst
+
+    return SameHostFirst(_shm_data_plane(config, memory), _nixl_data_plane(config))
+
+
 def _ucx_data_plane(config: RunnerConfig) -> DataPlane:
     from kvcr.adapters.ucx import UcxDataPlane
 
@@ -218,6 +240,7 @@ class Container(containers.DeclarativeContainer):
     memory = providers.Selector(
         config.memory,
         mmap=providers.Singleton(_mmap_memory),
+        shared=providers.Singleton(_shared_memory),
         mock=providers.Singleton(_mock_memory),
     )
     clock = providers.Selector(
@@ -256,6 +279,8 @@ class Container(containers.DeclarativeContainer):
         mock=providers.Singleton(_mock_data_plane, fabric, runner_config, clock),
         nixl=providers.Singleton(_nixl_data_plane, runner_config),
         ucx=providers.Singleton(_ucx_data_plane, runner_config),
+        shm=providers.Singleton(_shm_data_plane, runner_config, memory),
+        auto=providers.Singleton(_auto_data_plane, runner_config, memory),
     )
     control = providers.Selector(
         config.control,
@@ -316,6 +341,8 @@ def build_container(
     """
     container = Container()
     names: dict[str, object] = {**DEFAULTS, **choices}
+    if names["transport"] in SHARES_MEMORY and "memory" not in choices:
+        names["memory"] = "shared"  # a same-host peer maps the arenas: they live in sealed memfds
     container.runner_config.override(runner_config)
     if callable(inventory):
         if kv_events is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,27 @@ class Move:
     dst: int
     src: int
     nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SharedBacking:
+    """Where an address range lives in a shareable file: a read-only descriptor and the range's offset.
+
+    ``fd`` stays owned by the memory adapter (valid until the allocation is freed); ``size`` is the
+    whole file's, sealed so that it can neither shrink nor grow.
+    """
+
+    fd: int
+    offset: int
+    size: int
+
+
+@runtime_checkable
+class SharesMemory(Protocol):
+    """Optional: host memory whose allocations live in sealed memory files a same-host peer can map."""
+
+    def backing(self, address: int, nbytes: int) -> SharedBacking | None:
+        """The file behind ``[address, address + nbytes)``, or None if no single shared allocation holds it."""
 
 
 class HostMemory(Protocol):

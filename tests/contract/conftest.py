@@ -12,7 +12,13 @@ import pytest
 
 from kvcr.adapters.mock import FakeClock, MockControlChannel, MockDataPlane, MockFabric
 
-DATA_PLANE_KINDS = ["mock", pytest.param("nixl", marks=pytest.mark.nixl), pytest.param("ucx", marks=pytest.mark.ucx)]
+DATA_PLANE_KINDS = [
+    "mock",
+    pytest.param("nixl", marks=pytest.mark.nixl),
+    pytest.param("ucx", marks=pytest.mark.ucx),
+    "shm",
+    pytest.param("auto", marks=pytest.mark.nixl),
+]
 CONTROL_KINDS = ["mock", pytest.param("zmq", marks=pytest.mark.zmq), pytest.param("zmq_curve", marks=pytest.mark.zmq)]
 
 

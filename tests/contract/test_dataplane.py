@@ -16,21 +16,37 @@ import time
 import numpy as np
 import pytest
 
+from kvcr.adapters.local import MmapHostMemory
 from kvcr.adapters.mock import Faults
 from kvcr.domain.errors import KvcrError
 from kvcr.domain.layout import PieceRun, RegionDescriptor
 from kvcr.ports.dataplane import PeerInfo, TransferState
 from kvcr.ports.errors import PeerUnavailable, RegistrationError, TransportError
+from tests.contract.memory import CURRENT
 
 PIECE = 4096
 COUNT = 16
 POISON = 0xAB
 
 
+@pytest.fixture(autouse=True)
+def shared_memory():
+    """Every buffer lives in a sealed memfd, as kvcr's arenas do, so the shm kinds can expose it.
+
+    Autouse fixtures are set up first and torn down last: the planes are closed before it frees.
+    """
+    memory = MmapHostMemory(shared=True)
+    CURRENT.append(memory)
+    yield memory
+    CURRENT.remove(memory)
+    memory.close()
+
+
 class Buffer:
     def __init__(self, label, fill=None, piece=PIECE, count=COUNT):
         self.piece_bytes = piece
-        self.raw = ctypes.create_string_buffer(piece * count)
+        allocation = CURRENT[-1].allocate(piece * count, label)
+        self.raw = (ctypes.c_char * (piece * count)).from_address(allocation.address)
         if fill is not None:
             ctypes.memmove(self.raw, fill, piece * count)
         self.region = RegionDescriptor(label, ctypes.addressof(self.raw), piece, count, piece)
@@ -264,7 +280,10 @@ def live(request, data_planes):
         if kind == "mock":
             yield [_MockLiveRead(data_planes, late=False), _MockLiveRead(data_planes, late=True)]
         else:
-            yield importlib.import_module(f"tests.contract.{kind}_kind").live_reads(stack, PIECE, COUNT)
+            cases = importlib.import_module(f"tests.contract.{kind}_kind").live_reads(stack, PIECE, COUNT)
+            if not cases:
+                pytest.skip(f"{kind}: a read is terminal when read() returns, so none is ever in flight")
+            yield cases
 
 
 def _stalled_read(case):

@@ -64,6 +64,13 @@ def rank_layout(config: Any) -> RankLayout:
     )
 
 
+def data_plane(settings: KvcrSettings) -> str:
+    """The transport to build: ``auto`` without same-host sharing is NIXL alone."""
+    if settings.transport == Transport.AUTO.value and not settings.same_host_shm:
+        return Transport.NIXL.value
+    return settings.transport
+
+
 def control_plane(transport: str) -> str:
     """The control channel a data plane pairs with: the in-process fabric's own for ``mock``, ZMQ
     (CURVE when a token is set) for every data plane that reaches another process."""
@@ -211,7 +218,7 @@ def start(
         node=node_settings,
         kv_events=kv_events,
         inventory=inventory,
-        transport=settings.transport,
+        transport=data_plane(settings),
         control=control,
         # SGLang's switch: its --enable-metrics sets enable_storage_metrics and collects every
         # scheduler's series on its own /metrics; otherwise kvcr keeps them for kvcr_stats().

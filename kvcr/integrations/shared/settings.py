@@ -21,7 +21,7 @@ from kvcr.domain.endpoints import WILDCARD_HOSTS
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.eviction import POLICIES
 from kvcr.domain.hints import Endpoint
-from kvcr.domain.transports import TRANSPORT_NAMES
+from kvcr.domain.transports import TRANSPORT_NAMES, Transport
 from kvcr.domain.units import parse_byte_size
 from kvcr.runner.peer_client import LANDINGS
 
@@ -68,6 +68,7 @@ class KvcrSettings:
     peer_retry_ms: int = 1000
     read_batch_pages: int = 128
     verify_bytes: bool = True
+    same_host_shm: bool = True
     landing: str = "auto"
     auth_token_file: str | None = None
     rotation_token_files: tuple[str, ...] = ()
@@ -202,6 +203,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "peer_retry_ms": (int,),
     "read_batch_pages": (int,),
     "verify_bytes": (bool,),
+    "same_host_shm": (bool,),
     "landing": (str,),
     "auth_token_file": (str, type(None)),
     "rotation_token_files": (list,),
@@ -264,6 +266,8 @@ def _strings(key: str, entries: list[Any]) -> tuple[str, ...]:
 def _check(s: KvcrSettings) -> None:
     if s.transport not in TRANSPORT_NAMES:
         raise ConfigError(f"transport must be one of {', '.join(TRANSPORT_NAMES)}, got {_shown(s.transport)}")
+    if s.transport == Transport.SHM.value and not s.same_host_shm:
+        raise ConfigError("transport shm shares arenas with same-host peers: it cannot run with same_host_shm false")
     if s.dram_bytes <= 0:
         raise ConfigError("dram_bytes must be positive")
     if not 0 <= s.control_port < 65536:

@@ -47,6 +47,7 @@ class Source:
         transport: str = "nixl",
     ):
         self.port = port or free_port()
+        self.name = f"source-{self.port}-{time.monotonic_ns()}"
         cmd = [
             sys.executable,
             "-m",
@@ -58,7 +59,7 @@ class Source:
             "--page-bytes",
             str(page_bytes),
             "--name",
-            f"source-{self.port}-{time.monotonic_ns()}",
+            self.name,
             "--transport",
             transport,
         ]
@@ -128,7 +129,7 @@ def target():
         host.free()
 
 
-TRANSPORTS = ["nixl", pytest.param("ucx", marks=pytest.mark.ucx)]
+TRANSPORTS = ["nixl", pytest.param("ucx", marks=pytest.mark.ucx), "shm", "auto"]
 
 
 def outcomes(result):
@@ -144,6 +145,8 @@ def test_target_process_restores_source_pages_byte_equal(sources, target, transp
     assert outcomes(result) == [Outcome.RESTORED] * 64
     for i, key in enumerate(keys):
         assert host.read(100 + i) == page_pattern(key, PAGE), f"page {i} differs"
+    if transport == "auto":  # two processes on one host: the auto plane read over shm
+        assert node.data_plane.plane_of(source.name) == "shm"
 
 
 def test_kill_9_mid_restore_gives_misses_within_the_deadline_and_a_restarted_source_serves(sources, target):

@@ -1,0 +1,154 @@
+"""The source side of memory sharing: an abstract UNIX socket that hands exposed regions' memfds out.
+
+A peer that connects must send, within ``handshake_s``, the secret from our description (which
+only authenticated peers receive) and run as our uid (``SO_PEERCRED``); it then gets the grant
+and the descriptors with it (SCM_RIGHTS), and keeps the connection open: our end closing (at
+``close``, or because this process died) is how the peer learns that we are gone. Anything else
+is closed without a byte back. One thread serves every connection from a selector, blocked when
+nothing happens (no idle cost), and at most ``max_connections`` are held at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+from kvcr.adapters.shm.wire import REQUEST_MAGIC, SECRET_BYTES
+
+log = logging.getLogger(__name__)
+
+GrantSource = Callable[[], tuple[bytes, list[int]]]
+"""Returns the grant to send now (encoded) and the descriptors that go with it."""
+
+_REQUEST_BYTES = len(REQUEST_MAGIC) + SECRET_BYTES
+
+
+class Broker:
+    """Serves grants on an abstract socket named ``address`` until ``close``. Thread-safe."""
+
+    def __init__(
+        self, secret: bytes, grant: GrantSource, *, max_connections: int = 256, handshake_s: float = 1.0
+    ) -> None:
+        self._secret = secret
+        self._grant = grant
+        self._max = max_connections
+        self._handshake_s = handshake_s
+        self.address = f"\0kvcr-shm-{os.getpid()}-{os.urandom(8).hex()}"
+        self.refused = 0  # connections closed without a grant (bad secret, uid, timeout, over the cap)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._listener.bind(self.address)
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._pending: dict[socket.socket, float] = {}  # connection -> handshake deadline
+        self._granted: set[socket.socket] = set()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvcr-shm-broker", daemon=True)
+        self._thread.start()
+
+    @property
+    def connections(self) -> int:
+        """Connections held now (granted and pending)."""
+        return len(self._pending) + len(self._granted)
+
+    def close(self) -> None:
+        """Stop serving and close every connection (each peer sees us gone). Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        self._thread.join(timeout=5.0)
+        for conn in [*self._pending, *self._granted]:
+            conn.close()
+        self._pending.clear()
+        self._granted.clear()
+        self._selector.close()
+        self._listener.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            timeout = None
+            if self._pending:
+                timeout = max(0.0, min(self._pending.values()) - time.monotonic())
+            for key, _ in self._selector.select(timeout):
+                if self._closed.is_set():
+                    return
+                if key.fileobj is self._listener:
+                    self._accept()
+                elif key.fileobj == self._wake_r:
+                    return
+                else:
+                    assert isinstance(key.fileobj, socket.socket)
+                    self._readable(key.fileobj)
+            now = time.monotonic()
+            for conn in [c for c, deadline in self._pending.items() if deadline <= now]:
+                self._drop(conn, refused=True)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("kvcr: shm broker accept failed: %s", exc)
+                return
+            if self.connections >= self._max:
+                self.refused += 1
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self._pending[conn] = time.monotonic() + self._handshake_s
+            self._selector.register(conn, selectors.EVENT_READ)
+
+    def _readable(self, conn: socket.socket) -> None:
+        try:
+            data = conn.recv(_REQUEST_BYTES + 1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if conn in self._granted or not self._authorised(conn, data):
+            self._drop(conn, refused=conn not in self._granted)  # a granted peer left, or spoke out of turn
+            return
+        try:
+            blob, fds = self._grant()
+            socket.send_fds(conn, [blob], fds)
+        except OSError as exc:
+            log.warning("kvcr: shm grant could not be sent: %s", exc)
+            self._drop(conn, refused=True)
+            return
+        del self._pending[conn]
+        self._granted.add(conn)
+
+    def _authorised(self, conn: socket.socket, data: bytes) -> bool:
+        if len(data) != _REQUEST_BYTES or not data.startswith(REQUEST_MAGIC):
+            return False
+        if not hmac.compare_digest(data[len(REQUEST_MAGIC) :], self._secret):
+            return False
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        return bool(uid == os.getuid())
+
+    def _drop(self, conn: socket.socket, *, refused: bool) -> None:
+        if refused:
+            self.refused += 1
+        self._pending.pop(conn, None)
+        self._granted.discard(conn)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn)
+        conn.close()

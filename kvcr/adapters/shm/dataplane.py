@@ -1,0 +1,409 @@
+"""DataPlane for peers on this host: the source's arena memfds mapped read-only, reads are memcpy.
+
+How the port maps onto shared memory:
+
+- ``register`` records regions; an *exposed* one must lie in one shared allocation of the memory
+  adapter (``SharesMemory.backing``: a sealed memfd), or registration fails. Private regions (the
+  engine's host pages, staging) are only destinations and are never shared.
+- ``describe`` names this plane, its host identity (``host.py``), its broker's abstract socket, a
+  random secret and the exposed region table. The broker (``broker.py``, started at the first
+  ``describe``) hands a peer that presents the secret a *read-only* descriptor of each exposed
+  region's memfd and keeps that connection open as the liveness signal.
+- ``connect`` refuses a peer on another host, namespace or uid (``PeerUnavailable``: the caller
+  falls back to another plane), takes the grant, checks each descriptor is sealed against
+  shrinking (so a mapping can never SIGBUS) and covers its regions, maps it ``PROT_READ``, and
+  reads the peer's beacon through the mapping against the digest in the description.
+- ``read`` checks every run, then copies with memmove outside the lock (the GIL is released) and
+  returns a handle that is already terminal: a frozen source cannot stall a copy from a mapping,
+  and nothing can land after it returns, so peers have no late writes and ``cancel`` has nothing
+  to stop. A peer whose socket has closed (closed or dead) fails its reads.
+- ``disconnect`` unmaps a peer once no read of it is copying.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import hashlib
+import itertools
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvcr.adapters.shm import wire
+from kvcr.adapters.shm.broker import Broker
+from kvcr.adapters.shm.host import HostIdentity, this_host
+from kvcr.adapters.shm.wire import Description, Grant, RegionWire
+from kvcr.domain.layout import PieceRun, RegionDescriptor
+from kvcr.ports.dataplane import PeerInfo, TransferState
+from kvcr.ports.errors import PeerUnavailable, RegistrationError, TransportError
+from kvcr.ports.memory import SharesMemory
+
+BEACON_BYTES = 64
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PROT_READ, _MAP_SHARED = 0x1, 0x01
+_memmove = ctypes.memmove
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class _Local:
+    region: RegionDescriptor
+    exposed: bool
+
+
+@dataclass(slots=True)
+class _Peer:
+    name: str
+    description: bytes
+    sock: socket.socket
+    maps: list[tuple[int, int]]  # (address, size) of each mapping, unmapped at the end
+    regions: dict[int, tuple[int, RegionWire]]  # region id -> (address of its piece 0, shape)
+    info: PeerInfo
+    copying: int = 0
+    closing: bool = False
+
+
+@dataclass(slots=True)
+class _Beacon:
+    fd: int
+    readonly: int
+    digest: bytes
+    address: int = field(default=0)
+
+
+class ShmDataPlane:
+    """A DataPlane between processes on one host, over memfds passed on an abstract socket. Thread-safe.
+
+    Args:
+        name: our name on the fabric (unique per incarnation).
+        memory: the memory adapter our exposed regions were allocated from (shared allocations).
+        host: this process's identity (tests pass another to play a peer elsewhere).
+    """
+
+    def __init__(self, name: str, memory: SharesMemory, *, host: HostIdentity | None = None) -> None:
+        if not name:
+            raise TransportError("a shm data plane needs a non-empty name")
+        self._name = name
+        self._memory = memory
+        self._host = host or this_host()
+        self._incarnation = os.urandom(16)
+        self._secret = os.urandom(wire.SECRET_BYTES)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._ids = itertools.count(1)
+        self._regions: dict[int, _Local] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._handles = itertools.count(1)
+        self._transfers: dict[int, TransferState] = {}
+        self._broker: Broker | None = None
+        self._beacon: _Beacon | None = None
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    # ------------------------------------------------------------------ regions
+
+    def register(self, regions: Sequence[RegionDescriptor], *, exposed: bool) -> tuple[int, ...]:
+        with self._lock:
+            self._check_open()
+            taken = [r.region for r in self._regions.values()]
+            for region in regions:
+                if any(region.overlaps(other) for other in taken):
+                    raise RegistrationError(f"region {region.label!r} overlaps a registered region")
+                taken.append(region)
+                if exposed and self._memory.backing(region.base, region.span) is None:
+                    raise RegistrationError(
+                        f"region {region.label!r} is not in shared memory, so a same-host peer cannot map it "
+                        "(the shm plane needs the memory adapter's shared allocations)"
+                    )
+            ids = tuple(next(self._ids) for _ in regions)
+            for region_id, region in zip(ids, regions, strict=True):
+                self._regions[region_id] = _Local(region, exposed)
+            return ids
+
+    def deregister(self, ids: Sequence[int]) -> None:
+        with self._lock:
+            for region_id in ids:
+                self._regions.pop(region_id, None)
+
+    # ------------------------------------------------------------------ source side
+
+    def describe(self) -> bytes:
+        with self._lock:
+            self._check_open()
+            if self._broker is None:
+                self._beacon = _new_beacon()
+                self._broker = Broker(self._secret, self._grant)
+            exposed = [
+                RegionWire(rid, r.region.count, r.region.piece_bytes, r.region.stride)
+                for rid, r in self._regions.items()
+                if r.exposed
+            ]
+            host = self._host
+            return wire.encode(
+                Description(
+                    wire.VERSION,
+                    self._name,
+                    self._incarnation,
+                    host.boot_id,
+                    host.net_namespace,
+                    host.uid,
+                    self._broker.address,
+                    self._secret,
+                    self._beacon.digest if self._beacon else b"",
+                    exposed,
+                )
+            )
+
+    def _grant(self) -> tuple[bytes, list[int]]:
+        """The broker's answer: every exposed region's placement, and the descriptors (beacon first)."""
+        with self._lock:
+            assert self._beacon is not None
+            fds = [self._beacon.readonly]
+            placements = []
+            for rid, local in self._regions.items():
+                if not local.exposed:
+                    continue
+                backing = self._memory.backing(local.region.base, local.region.span)
+                if backing is None:  # freed behind our back: not offered
+                    continue
+                if backing.fd not in fds:
+                    fds.append(backing.fd)
+                placements.append(wire.Placement(rid, fds.index(backing.fd), backing.offset))
+            if len(fds) > wire.MAX_FILES:
+                raise OSError(f"{len(fds)} shared files exceed one message's {wire.MAX_FILES}")
+            return wire.encode(Grant(wire.VERSION, self._incarnation, 0, placements)), fds
+
+    # ------------------------------------------------------------------ target side
+
+    def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
+        desc = wire.decode_description(description)
+        with self._lock:
+            self._check_open()
+            known = self._peers.get(desc.name)
+            if known is not None and known.description == description and self._alive(known):
+                return known.info
+        why = self._host.differs(desc.host)
+        if why:
+            raise PeerUnavailable(f"shm peer {desc.name!r} cannot share memory with us: {why}")
+        peer = _attach(desc, description, timeout_s)
+        with self._lock:
+            if self._closed:
+                _unmap(peer)
+                raise TransportError("the shm data plane is closed")
+            previous = self._peers.pop(desc.name, None)
+            self._peers[desc.name] = peer
+            if previous is not None:
+                self._retire(previous)
+        return peer.info
+
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            known = self._peers.pop(peer, None)
+            if known is not None:
+                self._retire(known)
+
+    def read(self, peer: str, runs: Sequence[PieceRun], *, lease: int = 0) -> int:
+        with self._lock:
+            self._check_open()
+            known = self._peers.get(peer)
+            if known is None:
+                raise PeerUnavailable(f"shm peer {peer!r} is not connected")
+            moves = [move for run in runs for move in self._moves(known, run)]
+            alive = self._alive(known)
+            if alive:
+                known.copying += 1
+            handle = next(self._handles)
+        if alive:
+            try:
+                for dst, src, nbytes in moves:
+                    _memmove(dst, src, nbytes)
+            finally:
+                with self._lock:
+                    known.copying -= 1
+                    if known.closing and not known.copying:
+                        _unmap(known)
+        with self._lock:
+            self._transfers[handle] = TransferState.DONE if alive else TransferState.FAILED
+        return handle
+
+    def _moves(self, peer: _Peer, run: PieceRun) -> list[tuple[int, int, int]]:
+        """(dst, src, nbytes) copies for one run, after every check (TransportError names the problem)."""
+        source = peer.regions.get(run.src)
+        local = self._regions.get(run.dst)
+        if source is None:
+            raise TransportError(f"shm peer {peer.name!r} exposes no region {run.src}")
+        if local is None:
+            raise TransportError(f"no registered region {run.dst} to read into")
+        src_base, shape = source
+        dst = local.region
+        problem = run.misfit(shape, dst)
+        if problem:
+            raise TransportError(problem)
+        size = shape.piece_bytes
+        src_at, dst_at = src_base + run.src_first * shape.stride, dst.base + run.dst_first * dst.stride
+        if run.count == 1 or (shape.stride == size and dst.dense):
+            return [(dst_at, src_at, size * run.count)]
+        return [(dst_at + k * dst.stride, src_at + k * shape.stride, size) for k in range(run.count)]
+
+    @staticmethod
+    def _alive(peer: _Peer) -> bool:
+        """Whether the peer's end of the socket is still open (it closes when the peer closes or dies)."""
+        try:
+            data = peer.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+        return bool(data)  # b"": closed; data: the peer spoke out of turn, treated as alive (ignored)
+
+    def poll(self, handle: int) -> TransferState:
+        with self._lock:
+            state = self._transfers.get(handle)
+        if state is None:
+            raise TransportError(f"unknown transfer handle {handle}")
+        return state
+
+    def cancel(self, handle: int) -> TransferState:
+        return self.poll(handle)  # every read is terminal when read() returns
+
+    def release(self, handle: int) -> None:
+        with self._lock:
+            if self._transfers.pop(handle, None) is None:
+                raise TransportError(f"unknown transfer handle {handle}")
+
+    # ------------------------------------------------------------------ ends
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers, self._peers = list(self._peers.values()), {}
+            for peer in peers:
+                self._retire(peer)
+            broker, self._broker = self._broker, None
+            beacon, self._beacon = self._beacon, None
+            self._regions.clear()
+        if broker is not None:
+            broker.close()
+        if beacon is not None:
+            for fd in (beacon.readonly, beacon.fd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _retire(self, peer: _Peer) -> None:
+        """Close a peer's socket; unmap now, or when its last copy ends. Called under the lock."""
+        peer.closing = True
+        if not peer.copying:
+            _unmap(peer)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError("the shm data plane is closed")
+
+    @property
+    def broker(self) -> Broker | None:
+        """The broker serving our memory (None until the first ``describe``), for diagnostics."""
+        return self._broker
+
+
+def _new_beacon() -> _Beacon:
+    data = os.urandom(BEACON_BYTES)
+    fd = os.memfd_create("kvcr-shm-beacon", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, data)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+    readonly = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    return _Beacon(fd, readonly, _digest(data))
+
+
+def _attach(desc: Description, description: bytes, timeout_s: float) -> _Peer:
+    """Take the peer's grant over its socket, map what it sent, check the beacon.
+
+    Raises:
+        PeerUnavailable: the socket is unreachable or silent, or what came back is unusable.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    fds: list[int] = []
+    maps: list[tuple[int, int]] = []
+    try:
+        sock.settimeout(max(timeout_s, 0.001))
+        sock.connect(desc.socket)
+        sock.sendall(wire.Request(desc.secret).encode())
+        blob, fds, flags, _ = socket.recv_fds(sock, 1 << 20, wire.MAX_FILES + 1)
+        if not blob:
+            raise PeerUnavailable(f"shm peer {desc.name!r} closed its socket without a grant")
+        if flags & socket.MSG_CTRUNC:
+            raise PeerUnavailable(f"shm peer {desc.name!r} sent more descriptors than one grant may carry")
+        grant = wire.decode_grant(blob, len(fds), desc.incarnation)
+        sizes = [_checked_size(desc.name, fd) for fd in fds]
+        addresses = []
+        for fd, size in zip(fds, sizes, strict=True):
+            addresses.append(_map(desc.name, fd, size))
+            maps.append((addresses[-1], size))
+        if _digest(ctypes.string_at(addresses[grant.beacon], BEACON_BYTES)) != desc.beacon_digest:
+            raise PeerUnavailable(f"shm peer {desc.name!r}: its beacon reads back wrong through the mapping")
+        placed = {p.id: p for p in grant.regions}
+        regions: dict[int, tuple[int, RegionWire]] = {}
+        for shape in desc.regions:
+            where = placed.get(shape.id)
+            if where is None or where.offset + shape.span > sizes[where.file]:
+                raise PeerUnavailable(f"shm peer {desc.name!r}: region {shape.id} is not inside what it sent")
+            regions[shape.id] = (addresses[where.file] + where.offset, shape)
+        sock.setblocking(True)  # from here on only MSG_DONTWAIT peeks
+        return _Peer(desc.name, description, sock, maps, regions, PeerInfo(desc.name, late_writes=False))
+    except (OSError, PeerUnavailable) as exc:
+        for address, size in maps:
+            _libc.munmap(address, size)
+        sock.close()
+        if isinstance(exc, PeerUnavailable):
+            raise
+        raise PeerUnavailable(f"shm peer {desc.name!r} did not hand its memory over: {exc}") from exc
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _checked_size(name: str, fd: int) -> int:
+    """The file's size, if it is sealed so that it can never shrink (else a mapping could SIGBUS)."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise PeerUnavailable(f"shm peer {name!r} sent a descriptor that is not a sealable memfd") from exc
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise PeerUnavailable(f"shm peer {name!r} sent a memfd that is not sealed against shrinking")
+    size = os.fstat(fd).st_size
+    if size <= 0:
+        raise PeerUnavailable(f"shm peer {name!r} sent an empty memfd")
+    return size
+
+
+def _map(name: str, fd: int, size: int) -> int:
+    address = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise PeerUnavailable(f"shm peer {name!r}: cannot map {size} bytes: {os.strerror(err)}")
+    return int(address)
+
+
+def _unmap(peer: _Peer) -> None:
+    peer.sock.close()
+    maps, peer.maps = peer.maps, []
+    for address, size in maps:
+        _libc.munmap(address, size)
+
+
+__all__ = ["ShmDataPlane"]

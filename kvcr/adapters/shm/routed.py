@@ -1,0 +1,178 @@
+"""``transport: auto``: the shm plane for peers on this host, another plane (NIXL) for the rest.
+
+Both planes register every region; the ids this plane hands out are its own, mapped to each
+plane's. Its description carries both planes' descriptions and the id maps, so a peer connects
+over shm when its checks pass (same host, namespace and uid, a sealed memfd, the beacon read back)
+and over the other plane when any of them fails: one peer, one plane, chosen at connect.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from kvcr.domain.layout import PieceRun, RegionDescriptor
+from kvcr.ports.dataplane import DataPlane, GuardedReads, PeerInfo, ReadGuard, TransferState
+from kvcr.ports.errors import PeerUnavailable, TransportError
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+
+
+class _Wire(msgspec.Struct, frozen=True):
+    version: int
+    shm: bytes
+    fallback: bytes
+    ids: list[tuple[int, int, int]]  # (our id, the shm plane's, the fallback's) per exposed region
+
+
+@dataclass(slots=True)
+class _Route:
+    plane: DataPlane
+    ids: dict[int, int]  # the peer's ids -> that plane's ids on the peer
+
+
+class SameHostFirst:
+    """A DataPlane that reads from same-host peers through ``shm`` and from the others through ``fallback``."""
+
+    def __init__(self, shm: DataPlane, fallback: DataPlane) -> None:
+        if shm.name != fallback.name:
+            raise TransportError(f"the two planes have different names ({shm.name!r}, {fallback.name!r})")
+        self._shm, self._fallback = shm, fallback
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._regions: dict[int, tuple[int, int, bool]] = {}  # our id -> (shm id, fallback id, exposed)
+        self._routes: dict[str, _Route] = {}
+        self._handles = itertools.count(1)
+        self._transfers: dict[int, tuple[DataPlane, int]] = {}
+
+    @property
+    def name(self) -> str:
+        return self._fallback.name
+
+    def plane_of(self, peer: str) -> str | None:
+        """Which plane reads from ``peer`` (``"shm"`` or ``"fallback"``), None if not connected."""
+        with self._lock:
+            route = self._routes.get(peer)
+        if route is None:
+            return None
+        return "shm" if route.plane is self._shm else "fallback"
+
+    def register(self, regions: Sequence[RegionDescriptor], *, exposed: bool) -> tuple[int, ...]:
+        fallback = self._fallback.register(regions, exposed=exposed)
+        try:
+            shm = self._shm.register(regions, exposed=exposed)
+        except TransportError:
+            self._fallback.deregister(fallback)
+            raise
+        with self._lock:
+            ours = tuple(next(self._ids) for _ in regions)
+            for mine, s, f in zip(ours, shm, fallback, strict=True):
+                self._regions[mine] = (s, f, exposed)
+        return ours
+
+    def deregister(self, ids: Sequence[int]) -> None:
+        with self._lock:
+            known = [self._regions.pop(i) for i in ids if i in self._regions]
+        self._shm.deregister([s for s, _, _ in known])
+        self._fallback.deregister([f for _, f, _ in known])
+
+    def describe(self) -> bytes:
+        shm, fallback = self._shm.describe(), self._fallback.describe()
+        with self._lock:
+            ids = [(mine, s, f) for mine, (s, f, exposed) in self._regions.items() if exposed]
+        return msgspec.msgpack.encode(_Wire(VERSION, shm, fallback, ids))
+
+    def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
+        try:
+            desc = msgspec.msgpack.decode(description, type=_Wire)
+        except (msgspec.MsgspecError, TypeError) as exc:
+            raise PeerUnavailable(f"unreadable peer description (is the peer's transport auto?): {exc}") from exc
+        if desc.version != VERSION:
+            raise PeerUnavailable(f"auto peer description version {desc.version}, expected {VERSION}")
+        try:
+            info = self._shm.connect(desc.shm, timeout_s)
+            plane, column = self._shm, 1
+        except PeerUnavailable as exc:
+            log.debug("kvcr: shm refused a peer (%s); reading it over the other plane", exc)
+            info = self._fallback.connect(desc.fallback, timeout_s)
+            plane, column = self._fallback, 2
+        route = _Route(plane, {row[0]: row[column] for row in desc.ids})
+        with self._lock:
+            previous = self._routes.get(info.name)
+            self._routes[info.name] = route
+        if previous is not None and previous.plane is not plane:
+            previous.plane.disconnect(info.name)
+        return info
+
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            self._routes.pop(peer, None)
+        self._shm.disconnect(peer)
+        self._fallback.disconnect(peer)
+
+    def read(self, peer: str, runs: Sequence[PieceRun], *, lease: int = 0) -> int:
+        with self._lock:
+            route = self._routes.get(peer)
+            if route is None:
+                raise PeerUnavailable(f"peer {peer!r} is not connected")
+            column = 0 if route.plane is self._shm else 1
+            inner = []
+            for run in runs:
+                src = route.ids.get(run.src)
+                dst = self._regions.get(run.dst)
+                if src is None:
+                    raise TransportError(f"peer {peer!r} exposes no region {run.src}")
+                if dst is None:
+                    raise TransportError(f"no registered region {run.dst} to read into")
+                inner.append(PieceRun(src, run.src_first, dst[column], run.dst_first, run.count))
+        handle = route.plane.read(peer, inner, lease=lease)
+        with self._lock:
+            mine = next(self._handles)
+            self._transfers[mine] = (route.plane, handle)
+        return mine
+
+    def _transfer(self, handle: int) -> tuple[DataPlane, int]:
+        with self._lock:
+            found = self._transfers.get(handle)
+        if found is None:
+            raise TransportError(f"unknown transfer handle {handle}")
+        return found
+
+    def poll(self, handle: int) -> TransferState:
+        plane, inner = self._transfer(handle)
+        return plane.poll(inner)
+
+    def cancel(self, handle: int) -> TransferState:
+        plane, inner = self._transfer(handle)
+        return plane.cancel(inner)
+
+    def release(self, handle: int) -> None:
+        plane, inner = self._transfer(handle)
+        plane.release(inner)
+        with self._lock:
+            self._transfers.pop(handle, None)
+
+    def guard_reads(self, allowed: ReadGuard) -> None:
+        """A two-sided fallback checks reads against leases in our ids (shm reads are one-sided)."""
+        if not isinstance(self._fallback, GuardedReads):
+            return
+
+        def in_our_ids(lease: int, runs: Sequence[PieceRun]) -> bool:
+            with self._lock:
+                ours = {f: mine for mine, (_, f, _) in self._regions.items()}
+            if any(run.src not in ours for run in runs):
+                return False
+            return allowed(lease, [PieceRun(ours[r.src], r.src_first, r.dst, r.dst_first, r.count) for r in runs])
+
+        self._fallback.guard_reads(in_our_ids)
+
+    def close(self) -> None:
+        self._fallback.close()  # refuses (KvcrError) while one of its reads is live
+        self._shm.close()
