@@ -86,7 +86,7 @@ def _transports(text: str) -> list[str]:
     transports = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [t for t in transports if t not in CROSS_PROCESS]
     if not transports or unknown:
-        raise KvcrError(f"--transport: give nixl, ucx or both (nixl,ucx), got {text!r}")
+        raise KvcrError(f"--transport: give one or more of {', '.join(CROSS_PROCESS)} (e.g. nixl,shm), got {text!r}")
     return list(dict.fromkeys(transports))
 
 
@@ -260,7 +260,7 @@ def _bench_all(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     defaults = build_parser().parse_args(["bench", "local"]), build_parser().parse_args(["bench", "sglang"])
     local_args, sglang_args = defaults
-    remote_args = build_parser().parse_args(["bench", "remote", "--transport", "nixl,ucx"])
+    remote_args = build_parser().parse_args(["bench", "remote", "--transport", "nixl,ucx,shm"])
     for one in (local_args, sglang_args, remote_args):
         one.reps = max(1, round(one.reps * args.reps_scale))
     progress = _Progress(

@@ -1,0 +1,282 @@
+"""The shm data plane's own guarantees, beyond the DataPlane contract.
+
+Memory: what is handed out cannot be written, shrunk or grown by anyone holding it. The broker:
+a wrong secret or a silent connection gets nothing and is dropped, and connections are capped.
+Peers: one on another host (or namespace, or uid) is refused, and ``auto`` then reads it over NIXL;
+a frozen source stalls no read; a killed one fails its reads at once. Idle: a served pair costs no
+CPU.
+"""
+
+import contextlib
+import ctypes
+import json
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcr.adapters.local import MmapHostMemory
+from kvcr.adapters.shm import SameHostFirst, ShmDataPlane
+from kvcr.adapters.shm.broker import Broker
+from kvcr.adapters.shm.host import HostIdentity, this_host
+from kvcr.adapters.shm.wire import REQUEST_MAGIC, SECRET_BYTES
+from kvcr.domain.layout import PieceRun, RegionDescriptor
+from kvcr.ports.dataplane import TransferState
+from kvcr.ports.errors import PeerUnavailable, RegistrationError
+from kvcr.ports.memory import SharedBacking
+from kvcr.testing.processes import stop_process, wait_until_stopped
+
+REPO = Path(__file__).resolve().parents[3]
+PIECE, COUNT = 4096, 16
+
+
+@pytest.fixture
+def memory():
+    made = MmapHostMemory(shared=True)
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def planes():
+    made = []
+
+    def make(plane):
+        made.append(plane)
+        return plane
+
+    yield make
+    for plane in made:
+        with contextlib.suppress(Exception):
+            plane.close()
+
+
+def _region(memory, label, fill=None):
+    allocation = memory.allocate(PIECE * COUNT, label)
+    if fill is not None:
+        ctypes.memmove(allocation.address, fill, len(fill))
+    return RegionDescriptor(label, allocation.address, PIECE, COUNT, PIECE)
+
+
+def _pair(memory, planes, target_host=None):
+    source = planes(ShmDataPlane("source", memory))
+    target = planes(ShmDataPlane("target", memory, host=target_host))
+    data = os.urandom(PIECE * COUNT)
+    (src,) = source.register([_region(memory, "src", data)], exposed=True)
+    dst_region = RegionDescriptor("dst", memory.allocate(PIECE * COUNT, "dst").address, PIECE, COUNT, PIECE)
+    (dst,) = target.register([dst_region], exposed=False)
+    return source, target, src, dst, dst_region, data
+
+
+# ---------------------------------------------------------------------- memory
+
+
+def test_shared_memory_cannot_be_written_shrunk_or_grown_through_what_is_handed_out(memory):
+    allocation = memory.allocate(1 << 20, "arena")
+    backing = memory.backing(allocation.address + 4096, 8192)
+    assert isinstance(backing, SharedBacking) and backing.offset == 4096 and backing.size == 1 << 20
+    for change in (lambda: os.ftruncate(backing.fd, 0), lambda: os.ftruncate(backing.fd, 2 << 20)):
+        with pytest.raises(OSError):
+            change()
+    with pytest.raises(PermissionError):
+        mmap.mmap(backing.fd, 1 << 20, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    with pytest.raises(OSError):
+        os.write(backing.fd, b"x")
+    ctypes.memmove(allocation.address, b"ours", 4)  # our own first mapping still writes
+    assert os.pread(backing.fd, 4, 0) == b"ours"
+    assert memory.backing(allocation.address, (1 << 20) + 1) is None  # past its end: not one allocation
+
+
+def test_a_region_outside_shared_memory_cannot_be_exposed(planes):
+    plane = planes(ShmDataPlane("solo", MmapHostMemory()))
+    buffer = ctypes.create_string_buffer(PIECE * COUNT)
+    region = RegionDescriptor("private", ctypes.addressof(buffer), PIECE, COUNT, PIECE)
+    with pytest.raises(RegistrationError, match="not in shared memory"):
+        plane.register([region], exposed=True)
+    assert plane.register([region], exposed=False)  # as a destination it is fine
+
+
+# ---------------------------------------------------------------------- the broker
+
+
+def _ask(address, payload):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(5.0)
+        sock.connect(address)
+        sock.sendall(payload)
+        blob, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
+        for fd in fds:
+            os.close(fd)
+        return blob, len(fds)
+
+
+def test_the_broker_gives_nothing_for_a_wrong_secret_and_a_descriptor_for_the_right_one():
+    secret = os.urandom(SECRET_BYTES)
+    memfd = os.memfd_create("grant")
+    broker = Broker(secret, lambda: (b"grant", [memfd]))
+    try:
+        for wrong in (REQUEST_MAGIC + os.urandom(SECRET_BYTES), REQUEST_MAGIC + secret[:-1], b"", secret):
+            assert _ask(broker.address, wrong or b"\0") == (b"", 0)
+        assert broker.refused == 4
+        assert _ask(broker.address, REQUEST_MAGIC + secret) == (b"grant", 1)
+    finally:
+        broker.close()
+        os.close(memfd)
+
+
+def test_silent_connections_are_dropped_after_the_handshake_window_and_capped():
+    broker = Broker(os.urandom(SECRET_BYTES), lambda: (b"", []), max_connections=8, handshake_s=0.3)
+    socks = []
+    try:
+        for _ in range(20):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.connect(broker.address)
+            socks.append(sock)
+        deadline = time.monotonic() + 2.0
+        while broker.refused < 12 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert broker.connections <= 8 and broker.refused >= 12  # over the cap: closed at once
+        deadline = time.monotonic() + 3.0
+        while broker.connections and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert broker.connections == 0 and broker.refused == 20  # silent ones: gone after 0.3 s
+    finally:
+        for sock in socks:
+            sock.close()
+        broker.close()
+
+
+def test_an_idle_served_pair_costs_no_cpu(memory, planes):
+    source, target, *_ = _pair(memory, planes)
+    target.connect(source.describe(), 5.0)
+    broker_thread = source.broker._thread.native_id
+
+    def cpu_s():
+        with open(f"/proc/self/task/{broker_thread}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    before = cpu_s()
+    time.sleep(1.0)
+    assert cpu_s() - before <= 0.01  # under 1 % of a core
+
+
+# ---------------------------------------------------------------------- peers
+
+
+def test_a_peer_elsewhere_is_refused_naming_why(memory, planes):
+    here = this_host()
+    for other, why in (
+        (HostIdentity("another-boot", here.net_namespace, here.uid), "another host"),
+        (HostIdentity(here.boot_id, here.net_namespace + 1, here.uid), "network namespace"),
+        (HostIdentity(here.boot_id, here.net_namespace, here.uid + 1), "uid"),
+    ):
+        source, target, *_ = _pair(memory, planes, target_host=other)
+        with pytest.raises(PeerUnavailable, match=why):
+            target.connect(source.describe(), 2.0)
+
+
+@pytest.mark.nixl
+def test_auto_reads_a_peer_elsewhere_over_nixl(memory, planes):
+    from kvcr.adapters.nixl import NixlDataPlane
+
+    elsewhere = HostIdentity("another-boot", 0, os.getuid())
+    source = planes(
+        SameHostFirst(ShmDataPlane("src", memory), NixlDataPlane("src", backend_params={"ucx_devices": "lo"}))
+    )
+    target = planes(
+        SameHostFirst(
+            ShmDataPlane("dst", memory, host=elsewhere), NixlDataPlane("dst", backend_params={"ucx_devices": "lo"})
+        )
+    )
+    data = os.urandom(PIECE * COUNT)
+    (src,) = source.register([_region(memory, "src", data)], exposed=True)
+    dst_region = _region(memory, "dst")
+    (dst,) = target.register([dst_region], exposed=False)
+    peer = target.connect(source.describe(), 10.0)
+    assert target.plane_of(peer.name) == "fallback"
+    handle = target.read(peer.name, [PieceRun(src, 2, dst, 0, 3)])
+    deadline = time.monotonic() + 10
+    while not target.poll(handle).terminal and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert target.poll(handle) is TransferState.DONE
+    target.release(handle)
+    assert ctypes.string_at(dst_region.base, 3 * PIECE) == data[2 * PIECE : 5 * PIECE]
+
+
+class _Unsealed:
+    """A memory whose one allocation is an ordinary memfd (what a hostile or broken source could send)."""
+
+    def __init__(self, nbytes):
+        self.fd = os.memfd_create("unsealed")
+        os.ftruncate(self.fd, nbytes)
+        self.map = mmap.mmap(self.fd, nbytes)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.nbytes = nbytes
+
+    def backing(self, address, nbytes):
+        return SharedBacking(self.fd, address - self.address, self.nbytes)
+
+
+def test_a_memfd_that_could_shrink_is_never_mapped(memory, planes):
+    unsealed = _Unsealed(PIECE * COUNT)
+    source = planes(ShmDataPlane("source", unsealed))
+    source.register([RegionDescriptor("arena", unsealed.address, PIECE, COUNT, PIECE)], exposed=True)
+    target = planes(ShmDataPlane("target", memory))
+    with pytest.raises(PeerUnavailable, match="not sealed against shrinking"):
+        target.connect(source.describe(), 2.0)
+
+
+class _SourceProcess:
+    def __init__(self, seed):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.shm.source_process", str(PIECE), str(COUNT), str(seed)],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        hello = json.loads(self.proc.stdout.readline())
+        self.description = bytes.fromhex(hello["description"])
+        self.region = hello["region"]
+        self.data = np.random.default_rng(seed).integers(0, 256, PIECE * COUNT, dtype=np.uint8).tobytes()
+
+    def close(self):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGCONT)
+        stop_process(self.proc, grace_s=10)
+
+
+@pytest.mark.multiprocess
+def test_a_frozen_source_stalls_no_read_and_a_killed_one_fails_them_at_once(memory, planes):
+    source = _SourceProcess(seed=7)
+    try:
+        target = planes(ShmDataPlane("target", memory))
+        dst_region = _region(memory, "dst")
+        (dst,) = target.register([dst_region], exposed=False)
+        peer = target.connect(source.description, 5.0)
+        assert peer.late_writes is False
+        os.kill(source.proc.pid, signal.SIGSTOP)
+        assert wait_until_stopped(source.proc.pid)
+        started = time.monotonic()
+        handle = target.read(peer.name, [PieceRun(source.region, 0, dst, 0, COUNT)])
+        assert target.poll(handle) is TransferState.DONE and time.monotonic() - started < 1.0
+        target.release(handle)
+        assert ctypes.string_at(dst_region.base, PIECE * COUNT) == source.data
+        os.kill(source.proc.pid, signal.SIGKILL)
+        source.proc.wait(10)
+        handle = target.read(peer.name, [PieceRun(source.region, 0, dst, 0)])
+        assert target.poll(handle) is TransferState.FAILED  # its socket closed with it
+        target.release(handle)
+        target.disconnect(peer.name)
+        with pytest.raises(PeerUnavailable):
+            target.connect(source.description, 1.0)  # nobody serves its socket any more
+    finally:
+        source.close()
