@@ -456,7 +456,9 @@ class KvcrRunner:
 
     @property
     def active_leases(self) -> int:
+        """Leases live now (one past its deadline is ended here, not counted)."""
         with self._lock:
+            self._expire_leases(self._clock.now())
             return len(self._leases)
 
     def clear(self) -> None:

@@ -11,6 +11,12 @@ from kvcr.soak.replica import ReplicaOptions
 from tests.support import free_port
 
 TCP = {"UCX_TLS": "tcp"}
+SHM = {"transport": "shm"}
+
+
+def flavour(tls: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(environment, settings) of a replica for one data-plane flavour: NIXL over CMA or tcp, or shm."""
+    return (TCP if tls == "tcp" else {}), (SHM if tls == "shm" else {})
 
 
 class Cluster:
@@ -35,7 +41,13 @@ class Cluster:
         assert report is not None, f"{replica.options.name} did not close (exit code {replica.exitcode})"
         assert report["error"] is None, report["error"]
         leaks = {k: report[k] for k in ("leaked_threads", "leaked_fds", "nixl_registrations", "live_transfers")}
-        assert not any(leaks.values()), (leaks, report["nixl_agents"], report["thread_names"], report["fd_targets"])
+        assert not any(leaks.values()), (
+            replica.options.name,
+            leaks,
+            report["nixl_agents"],
+            report["thread_names"],
+            report["fd_targets"],
+        )
         return report
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kvcr.soak.pattern import prompt_keys
-from tests.fault.support import TCP, Fault
+from tests.fault.support import TCP, Fault, flavour
 
 pytestmark = [pytest.mark.fault, pytest.mark.nixl, pytest.mark.sglang, pytest.mark.multiprocess]
 
@@ -31,12 +31,25 @@ SETTINGS = {
 BOUND_S = OP_MS / 1000 + 1.0
 
 
-@pytest.mark.parametrize("tls", ["cma", "tcp"])
+@pytest.mark.parametrize("tls", ["cma", "tcp", "shm"])
 def test_a_frozen_source_costs_misses_within_the_deadline_and_serves_again_once_resumed(cluster, figures, tls):
-    env = TCP if tls == "tcp" else {}
+    env, plane = flavour(tls)
     fault = Fault("source frozen past both deadlines, resumed", tls)
-    target = cluster.start("target", layers=LAYERS, host_pages=2 * PAGES, dram_pages=8, settings=SETTINGS, env=env)
-    source = cluster.start("source", layers=LAYERS, host_pages=4 * PAGES, dram_pages=8 * PAGES, env=env)
+    target = cluster.start(
+        "target", layers=LAYERS, host_pages=2 * PAGES, dram_pages=8, settings={**SETTINGS, **plane}, env=env
+    )
+    # The hit query given up while the source is frozen leaves a lease granted on resume that nobody
+    # releases; it must expire (lease_ms) before the source closes, or its memory is kept (and, over
+    # shm, its memfds stay open): the source leases for 3 s to keep that wait short.
+    lease_ms = 3000
+    source = cluster.start(
+        "source",
+        layers=LAYERS,
+        host_pages=4 * PAGES,
+        dram_pages=8 * PAGES,
+        settings={**plane, "lease_ms": lease_ms},
+        env=env,
+    )
     warm, leased, later = (prompt_keys(p, PAGES) for p in (1, 2, 3))
     for i, keys in enumerate((warm, leased, later)):
         assert all(source.ask("backup", keys=keys, first_slot=i * PAGES)["stored"])
@@ -52,6 +65,8 @@ def test_a_frozen_source_costs_misses_within_the_deadline_and_serves_again_once_
         assert read["seconds"] >= OP_MS / 1000 - 0.05  # it was given up at the operation deadline
         stats = target.ask("stats")
         assert stats["quarantined"] == 1 and stats["staging_quarantined"] >= 1
+    if tls == "shm":
+        assert all(read["results"])  # a copy from a mapping needs nothing from the frozen process
     fault.notes.append(f"read of leased pages while frozen: {sum(read['results'])}/{PAGES} in {read['seconds']:.3f}s")
     # While frozen, a new hit query is a prompt miss: the LEASE costs control_timeout_ms at most.
     stalled = fault.call(target.ask("restore", keys=later, first_slot=PAGES, hint=source.endpoint), BOUND_S)
@@ -73,6 +88,10 @@ def test_a_frozen_source_costs_misses_within_the_deadline_and_serves_again_once_
     fault.trials += 1
     figures.record(fault)
     cluster.close_checked(target)
+    deadline = time.monotonic() + lease_ms / 1000 + 2.0
+    while source.ask("stats")["leases_held"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert source.ask("stats")["leases_held"] == 0, "an orphaned lease outlived lease_ms"
     cluster.close_checked(source)
 
 
