@@ -16,7 +16,7 @@ import time
 import pytest
 
 from kvcr.soak.pattern import prompt_keys
-from tests.fault.support import Fault
+from tests.fault.support import Fault, flavour
 from tests.support import free_port
 
 pytestmark = [pytest.mark.fault, pytest.mark.nixl, pytest.mark.sglang, pytest.mark.multiprocess]
@@ -26,13 +26,22 @@ OP_MS, RETRY_MS = 1500, 300
 BOUND_S = OP_MS / 1000 + 1.0
 
 
-@pytest.mark.parametrize(("how", "verify"), [("kill", False), ("close", True)])
-def test_a_restarted_source_refuses_old_leases_and_serves_new_ones(cluster, figures, how, verify):
-    fault = Fault(f"source restarted ({how}), other bytes, same keys" + (", verify_bytes" if verify else ""))
-    settings = {"operation_timeout_ms": OP_MS, "peer_retry_ms": RETRY_MS, "verify_bytes": verify}
+@pytest.mark.parametrize(
+    ("how", "verify", "tls"), [("kill", False, "cma"), ("close", True, "cma"), ("kill", False, "shm")]
+)
+def test_a_restarted_source_refuses_old_leases_and_serves_new_ones(cluster, figures, how, verify, tls):
+    # Over shm the target still maps the dead source's arena: its closed socket is what refuses the old lease.
+    _, plane = flavour(tls)
+    fault = Fault(f"source restarted ({how}), other bytes, same keys" + (", verify_bytes" if verify else ""), tls)
+    settings = {"operation_timeout_ms": OP_MS, "peer_retry_ms": RETRY_MS, "verify_bytes": verify, **plane}
     target = cluster.start("target", layers=LAYERS, host_pages=2 * PAGES, dram_pages=4, settings=settings)
     port = free_port()
-    source = {"layers": LAYERS, "host_pages": 2 * PAGES, "dram_pages": 4 * PAGES, "settings": {"verify_bytes": verify}}
+    source = {
+        "layers": LAYERS,
+        "host_pages": 2 * PAGES,
+        "dram_pages": 4 * PAGES,
+        "settings": {"verify_bytes": verify, **plane},
+    }
     old = cluster.start("old", port=port, **source)
     read, held = prompt_keys(10, PAGES), prompt_keys(11, PAGES)
     assert all(old.ask("backup", keys=read, first_slot=0, seed=1)["stored"])
