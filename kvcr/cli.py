@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default=None, help="keep the processes' logs and reports here")
     demo.add_argument("--quiet", action="store_true", help="print only failures and the final table")
     demo.add_argument(
-        "--transport", choices=CROSS_PROCESS, default="nixl", help="the workers' data plane for peer reads"
+        "--transport", choices=CROSS_PROCESS, default="auto", help="the workers' data plane for peer reads"
     )
     demo.add_argument(
         "--metrics-port",
@@ -485,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument(
         "--transport",
         default="nixl",
-        help="kvcr's data plane for read and restore: nixl, ucx or nixl,ucx (the baseline is always a raw NIXL READ)",
+        help="kvcr's data planes for read and restore, comma-separated: nixl, ucx, shm, auto (e.g. shm,nixl,ucx; "
+        "the baseline is always a raw NIXL READ)",
     )
     remote.add_argument(
         "--netns",

@@ -46,7 +46,7 @@ class DemoOptions:
     reply_tokens: int = 16
     token_delay_ms: float = 20.0
     stagger_s: float = 0.15
-    transport: str = "nixl"
+    transport: str = "auto"
     metrics_port: int | None = None  # worker i serves /metrics on this port + i
 
     @property

@@ -83,7 +83,7 @@ class WorkerSpec:
     token_delay_ms: float = 0.0
     queue_delay_ms: float = 0.0
     operation_timeout_ms: int = 2000
-    transport: str = "nixl"
+    transport: str = "auto"
     metrics_port: int | None = None
     extra_args: tuple[str, ...] = ()
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvcr.domain.endpoints import WILDCARD_HOSTS
 from kvcr.domain.errors import ConfigError
+from kvcr.domain.transports import CROSS_PROCESS
 from kvcr.domain.units import parse_byte_size
 from kvcr.integrations.shared.host import available_memory_bytes
 
@@ -41,7 +42,7 @@ class WorkerSettings:
     queue_delay_s: float = 0.0
     operation_timeout_ms: int = 2000
     report: str | None = None
-    transport: str = "nixl"
+    transport: str = "auto"
     metrics_port: int | None = None
 
     @property
@@ -96,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--transport",
-        choices=("nixl", "ucx"),
-        default="nixl",
+        choices=CROSS_PROCESS,
+        default="auto",
         help="kvcr's data plane for peer reads (every worker alike)",
     )
     return p

@@ -54,7 +54,7 @@ SGLANG_KEYS = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class KvcrSettings:
-    transport: str = "nixl"
+    transport: str = "auto"
     dram_bytes: int = 8 << 30
     control_host: str = "127.0.0.1"
     control_port: int = 32100
