@@ -156,9 +156,17 @@ def _measure_sglang(args: argparse.Namespace, progress: _Progress) -> tuple[list
     if not args.local_only:
         remote = [
             progress.step(
-                f"sglang: {format_byte_size(s)} pages x {args.pages} (hinted remote)",
-                partial(run_sglang_remote, s // LAYER_BYTES, args.pages, args.reps, request=_bench_request),
+                f"sglang: {format_byte_size(s)} pages x {args.pages} (hinted remote, {transport})",
+                partial(
+                    run_sglang_remote,
+                    s // LAYER_BYTES,
+                    args.pages,
+                    args.reps,
+                    request=_bench_request,
+                    transport=transport,
+                ),
             )
+            for transport in _transports(args.transport)
             for s in sizes
         ]
     return local, remote
@@ -206,7 +214,7 @@ def _bench_sglang(args: argparse.Namespace) -> int:
     from kvcr.bench.plot import plot_sglang
     from kvcr.bench.sglang import as_dict, sglang_remote_table, sglang_table
 
-    steps = len(_sizes(args.page_sizes)) * (1 if args.local_only else 2)
+    steps = len(_sizes(args.page_sizes)) * (1 if args.local_only else 1 + len(_transports(args.transport)))
     local, remote = _measure_sglang(args, _Progress(steps))
     print(sglang_table(local))
     if remote:
@@ -265,7 +273,7 @@ def _bench_all(args: argparse.Namespace) -> int:
         one.reps = max(1, round(one.reps * args.reps_scale))
     progress = _Progress(
         len(_sizes(local_args.page_sizes))
-        + 2 * len(_sizes(sglang_args.page_sizes))
+        + len(_sizes(sglang_args.page_sizes)) * (1 + len(_transports(sglang_args.transport)))
         + len(_sizes(remote_args.page_sizes)) * len(_transports(remote_args.transport))
     )
     results = BenchSet()
@@ -474,6 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
     sglang.add_argument("--pages", type=_positive("--pages"), default=128, help="pages per batch")
     sglang.add_argument("--reps", type=_positive("--reps"), default=10, help="timed repetitions per page size")
     sglang.add_argument("--local-only", action="store_true", help="skip the hinted remote part (two processes)")
+    sglang.add_argument(
+        "--transport",
+        default="nixl,auto",
+        help="both replicas' data plane in the hinted remote part, comma-separated (auto on one host: shm)",
+    )
     _json_option(sglang, "bench-results/sglang.json")
     sglang.set_defaults(func=_bench_sglang)
 

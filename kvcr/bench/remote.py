@@ -144,7 +144,10 @@ def source_replica(
 def data_plane_description(
     endpoint: str, namespaces: dict[str, str], port: int, token: bytes | None = None
 ) -> tuple[bytes, list[int]]:
-    """Ask a source for its data-plane description and its KV pool's region ids (for the raw baseline)."""
+    """Ask a source for its NIXL data-plane description and its KV pool's region ids (for the raw baseline).
+
+    A source on ``transport: auto`` describes both of its planes: its NIXL half, with the region ids
+    translated to NIXL's, is what a bare NIXL agent reads."""
     import secrets
 
     from kvcr.adapters.zmq import ZmqControlChannel
@@ -162,7 +165,15 @@ def data_plane_description(
     kv = [p for p in reply.pools if p.name == "kv"]
     if not kv:
         raise RuntimeError("the source serves no kv pool")
-    return reply.data_plane, list(kv[0].regions)
+    regions = list(kv[0].regions)
+    from kvcr.adapters.shm import fallback_description
+    from kvcr.ports.errors import PeerUnavailable
+
+    try:
+        description, ids = fallback_description(reply.data_plane)
+    except PeerUnavailable:
+        return reply.data_plane, regions  # a plain NIXL description
+    return description, [ids[r] for r in regions]
 
 
 class RawReader:

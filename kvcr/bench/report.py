@@ -78,9 +78,11 @@ def tables(results: BenchSet, figure: str | None) -> str:
     if results.remote:
         transports = sorted({getattr(r, "transport", "nixl") for r in results.remote})
         over = ",".join(transports)
+        others = [t for t in transports if t != "nixl"]
         marked = (
-            " rows marked (ucx) use kvcr's UCX data plane on both sides, the others NIXL."
-            if "ucx" in transports
+            f" Rows marked ({') or ('.join(others)}) run that transport on both sides, the others NIXL"
+            " (shm: the same-host plane, a memcpy from the source's arena mapped read-only)."
+            if others
             else ""
         )
         parts.append(
@@ -110,7 +112,8 @@ def tables(results: BenchSet, figure: str | None) -> str:
         parts.append(
             "Hinted remote restore through the same calls: replica A is another process with kvcr as its SGLang "
             "backend; replica B gets the hint, answers `batch_exists` (which leases) and `batch_get_v1` (which "
-            'reads over NIXL). "raw" is a bare NIXL agent reading the same pieces into the same slots.'
+            "reads). Rows marked (auto) run `transport: auto` on both replicas, which on one host reads over shm; "
+            'the others NIXL. "raw" is a bare NIXL agent reading the same pieces into the same slots.'
         )
         parts.append(sglang_remote_table(results.sglang_remote))
     return "\n\n".join(parts) + "\n"

@@ -154,6 +154,7 @@ class SglangRemoteResult:
     get_vs_raw: float
     exists_and_get_vs_raw: float
     verified: bool
+    transport: str = "nixl"
 
 
 def run_sglang_remote(
@@ -161,6 +162,7 @@ def run_sglang_remote(
     pages: int,
     reps: int,
     request: Callable[[], AbstractContextManager[object]] = nullcontext,
+    transport: str = "nixl",
 ) -> SglangRemoteResult:
     """Hinted remote restore through SGLang's calls vs a raw NIXL READ of the same pieces.
 
@@ -170,7 +172,8 @@ def run_sglang_remote(
     ``batch_get_v1`` (the READ, timed alone as "get" and with the hit query as "exists+get").
     ``request`` is the scope both calls run in: SGLang with kvcr's plugin runs them under the
     request's id (the CLI passes ``hints_bridge.active``), so the hit query's lease is booked for
-    the read; without one the read leases again.
+    the read; without one the read leases again. ``transport`` is both replicas' (with ``auto`` on
+    one host kvcr reads over shm while the baseline reads A's NIXL half).
     """
     prepare_environment()
     import torch
@@ -194,10 +197,13 @@ def run_sglang_remote(
         str(layers),
         "--seed",
         "3",
+        "--transport",
+        transport,
     ]
     with source_replica_process(cmd) as info:
         host = host_pool(layers, pages)
-        store = backend(host, storage_config(port + 1, enable_remote_hint=True, dram_bytes=page_bytes * 4))
+        config = storage_config(port + 1, enable_remote_hint=True, dram_bytes=page_bytes * 4, transport=transport)
+        store = backend(host, config)
         keys: list[str] = info["keys"]
         envelope = {
             "protocol_version": "0.1",
@@ -267,14 +273,23 @@ def run_sglang_remote(
     nbytes = pages * page_bytes
     r, g, b = timing(raw_s), timing(get_s), timing(both_s)
     return SglangRemoteResult(
-        page_bytes, pages, reps, r.gbps(nbytes), g.gbps(nbytes), b.gbps(nbytes), r.p50 / g.p50, r.p50 / b.p50, verified
+        page_bytes,
+        pages,
+        reps,
+        r.gbps(nbytes),
+        g.gbps(nbytes),
+        b.gbps(nbytes),
+        r.p50 / g.p50,
+        r.p50 / b.p50,
+        verified,
+        transport,
     )
 
 
 def sglang_remote_table(results: list[SglangRemoteResult]) -> str:
     rows = [
         [
-            f"{format_byte_size(r.page_bytes)} x {r.pages}",
+            f"{format_byte_size(r.page_bytes)} x {r.pages}" + ("" if r.transport == "nixl" else f" ({r.transport})"),
             f"{r.raw_gbps:.1f}",
             f"{r.get_gbps:.1f}",
             f"{r.exists_and_get_gbps:.1f}",

@@ -38,8 +38,18 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvcr.domain.layout import PieceRun, RegionDescriptor
+from kvcr.ports.control import ConnectionHandler
 
-__all__ = ["DataPlane", "GuardedReads", "PeerActivity", "PeerInfo", "PieceRun", "ReadGuard", "TransferState"]
+__all__ = [
+    "DataPlane",
+    "GuardedReads",
+    "PeerActivity",
+    "PeerInfo",
+    "PieceRun",
+    "ReadGuard",
+    "SideChannel",
+    "TransferState",
+]
 
 
 class TransferState(str, enum.Enum):
@@ -154,3 +164,32 @@ class GuardedReads(Protocol):
 
     def guard_reads(self, allowed: ReadGuard) -> None:
         """Check every incoming read with ``allowed`` before sending anything."""
+
+
+SIDE_FRAME_BYTES = 128 << 10
+"""The largest control frame a side link carries either way; a larger request uses the control channel."""
+
+
+@runtime_checkable
+class SideChannel(Protocol):
+    """Optional: a data plane whose peer link also carries control frames, cheaper than the control channel.
+
+    The same-host plane's link is a UNIX socket opened with a secret that only the authenticated
+    HELLO reply carries, so it is as authenticated as the control connection. The source answers
+    its frames with the peer server's handler, the side link being their connection (a session
+    opened over it is bound to it); the target says HELLO over it, then LEASE and RELEASE.
+    """
+
+    def serve_side(self, handler: ConnectionHandler) -> None:
+        """Answer frames that arrive over side links with ``handler`` (on the plane's own thread)."""
+
+    def side_request(self, peer: str, payload: bytes, timeout_s: float) -> bytes | None:
+        """The reply to ``payload`` over ``peer``'s side link; None when it has none.
+
+        Raises:
+            PeerUnavailable: the link broke (the peer closed or died).
+            ControlTimeout: no reply within ``timeout_s``.
+        """
+
+    def side_send(self, peer: str, payload: bytes) -> bool:
+        """A one-way frame over ``peer``'s side link (never blocks); False when it has none or it failed."""

@@ -149,24 +149,25 @@ class PeerClient:
                 count_miss(self._metrics, FailureReason.SLOWER_THAN_RECOMPUTE, sum(len(p) for _, p in asked))
                 return None
             nonce = secrets.token_bytes(NONCE_BYTES)
+            session = link.lease_session(sum(len(pages) for _, pages in asked))
             message = Lease(
                 nonce,
-                link.session,
+                session,
                 round(self._timing.lease_s * 1000),
                 [(link.pools[pool].pool_id, pages) for pool, pages in asked],
             )
             sent_at = self._clock.now()
-            reply = self._links.call(endpoint, message, nonce, deadline)
+            reply = self._links.call(endpoint, message, nonce, deadline, link)
             if isinstance(reply, Refused) and reply.code == RefusalCode.UNKNOWN_SESSION:
                 self._links.forget(endpoint)
                 continue
             if not isinstance(reply, LeaseReply):
                 return None
-            return self._granted(link, asked, reply, sent_at)
+            return self._granted(link, asked, reply, sent_at, session)
         return None
 
     def _granted(
-        self, link: Link, asked: list[tuple[str, list[str]]], reply: LeaseReply, sent_at: float
+        self, link: Link, asked: list[tuple[str, list[str]]], reply: LeaseReply, sent_at: float, session: int
     ) -> RemoteLease | None:
         shapes_match = len(reply.slots) == len(asked) and len(reply.digests) == len(asked)
         if shapes_match:
@@ -175,7 +176,7 @@ class PeerClient:
                     shapes_match = False
         if not shapes_match:
             log.warning("kvcr: peer %s answered a LEASE with the wrong shape; ignored", link.endpoint)
-            self._links.send_release(link, reply.lease_id)
+            self._links.send_release(link, reply.lease_id, session)
             count_miss(self._metrics, FailureReason.MALFORMED_REPLY, sum(len(p) for _, p in asked))
             return None
         slots: dict[tuple[str, str], int] = {}
@@ -190,10 +191,12 @@ class PeerClient:
         total = sum(len(p) for _, p in asked)
         if total > len(slots):  # a stale hint: the source no longer holds these
             self._metrics.increment(M.PAGES, total - len(slots), {"path": Path.REMOTE_RESTORE, "outcome": Result.MISS})
-        lease = RemoteLease(link.endpoint, reply.lease_id, sent_at, reply.ttl_ms / 1000, slots, digests, link)
+        lease = RemoteLease(
+            link.endpoint, reply.lease_id, sent_at, reply.ttl_ms / 1000, slots, digests, link, session=session
+        )
         if not slots:
             lease.released = True
-            self._links.send_release(link, reply.lease_id)
+            self._links.send_release(link, reply.lease_id, session)
             return None
         return lease
 
@@ -203,7 +206,7 @@ class PeerClient:
             return
         lease.released = True
         if lease.link is not None:
-            self._links.send_release(lease.link, lease.lease_id)
+            self._links.send_release(lease.link, lease.lease_id, lease.session)
 
     # ------------------------------------------------------------------ read
 

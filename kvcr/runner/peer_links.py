@@ -9,6 +9,11 @@ a sick source costs misses, never waits.
 
 Every control round trip goes through ``call``, which binds a reply to the request's nonce and
 turns every failure into None.
+
+Side links: when the data plane also carries control frames to a peer (``SideChannel``: the
+same-host plane's UNIX socket), the link says HELLO a second time over it, and the session that
+opens (bound to the side link) carries LEASE and RELEASE there: a UNIX-socket round trip instead of
+a CURVE one. Anything that fails on the side link fails the way the control channel would.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from kvcr.domain.deadlines import Timing
 from kvcr.domain.pools import PoolSpec
 from kvcr.ports.clock import Clock
 from kvcr.ports.control import ControlChannel
-from kvcr.ports.dataplane import DataPlane, PeerInfo
+from kvcr.ports.dataplane import DataPlane, PeerInfo, SideChannel
 from kvcr.ports.errors import PeerRefused, TransportError
 from kvcr.ports.metric_catalogue import FailureReason, Path, Result
 from kvcr.ports.metric_catalogue import MetricName as M
@@ -35,6 +40,7 @@ from kvcr.runner.protocol import NONCE_BYTES, Hello, HelloReply, Lease, PoolWire
 log = logging.getLogger(__name__)
 
 _RATE_WEIGHT = 0.3  # EWMA weight of the newest read in a link's throughput estimate
+SIDE_LEASE_PAGES = 1024  # larger leases go over the control channel (their reply may not fit a side frame)
 
 
 @dataclass
@@ -49,6 +55,11 @@ class Link:
     staged: bool
     last_used: float
     bytes_per_s: float = 0.0  # 0: no estimate yet
+    side_session: int = 0  # the session HELLO opened over the data plane's side link (0: none)
+
+    def lease_session(self, pages: int) -> int:
+        """The session a LEASE of ``pages`` pages goes under: the side link's when it has one and they fit."""
+        return self.side_session if self.side_session and pages <= SIDE_LEASE_PAGES else self.session
 
     def learn_rate(self, nbytes: int, elapsed: float) -> None:
         """Fold one completed read into the throughput estimate."""
@@ -70,6 +81,7 @@ class RemoteLease:
     digests: dict[tuple[str, str], bytes] = field(default_factory=dict)
     link: Link | None = None
     released: bool = False
+    session: int = 0  # the session it was granted under (its RELEASE goes under the same one)
 
     def holds(self, pool: str, page_hash: str) -> bool:
         return (pool, page_hash) in self.slots
@@ -115,6 +127,7 @@ class SourceLinks:
     ) -> None:
         self._control = control
         self._data_plane = data_plane
+        self._side = data_plane if isinstance(data_plane, SideChannel) else None
         self._clock = clock
         self._metrics = metrics
         self._timing = timing
@@ -167,6 +180,7 @@ class SourceLinks:
         landing = self._landing
         staged = landing == "staged" or (landing == "auto" and peer.late_writes)
         link = Link(endpoint, reply.session, reply.incarnation, peer, pools, staged, self._clock.now())
+        self._open_side(link, deadline)
         evicted: list[tuple[str, Link]] = []
         with self._lock:
             self._links[endpoint] = link
@@ -177,13 +191,39 @@ class SourceLinks:
             self._drop(old, old_link)  # both halves: the control connection and the data-plane peer
         return link
 
-    def call(self, endpoint: str, request: Hello | Lease, nonce: bytes, deadline: float) -> object:
-        """One round trip, bounded by the control deadline; None (peer marked down) on failure."""
+    def _open_side(self, link: Link, deadline: float) -> None:
+        """HELLO over the data plane's side link, if it has one to this peer; the link keeps the session."""
+        timeout = min(self._timing.control_s, deadline - self._clock.now())
+        if self._side is None or timeout <= 0:
+            return
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        hello = Hello(nonce, self._data_plane.name, self.incarnation, dict(self._namespaces))
+        try:
+            frame = self._side.side_request(link.peer.name, protocol.encode(hello), timeout)
+            reply = protocol.decode(frame) if frame is not None else None
+        except (TransportError, protocol.FrameError) as exc:
+            log.info("kvcr: no side link to %s (%s); leases go over the control channel", link.endpoint, exc)
+            return
+        if isinstance(reply, HelloReply) and reply.nonce == nonce and reply.incarnation == link.incarnation:
+            link.side_session = reply.session
+
+    def call(
+        self, endpoint: str, request: Hello | Lease, nonce: bytes, deadline: float, link: Link | None = None
+    ) -> object:
+        """One round trip, bounded by the control deadline; None (peer marked down) on failure.
+
+        A LEASE under ``link``'s side session goes over its side link."""
         timeout = min(self._timing.control_s, deadline - self._clock.now())
         if timeout <= 0:
             return None
         try:
-            frame = self._control.request(endpoint, protocol.encode(request), timeout)
+            payload = protocol.encode(request)
+            frame = None
+            side = link is not None and isinstance(request, Lease) and request.session == link.side_session
+            if side and link is not None and link.side_session and self._side is not None:
+                frame = self._side.side_request(link.peer.name, payload, timeout)
+            if frame is None:
+                frame = self._control.request(endpoint, payload, timeout)
             reply = protocol.decode(frame)
         except protocol.FrameError:
             self.mark_down(endpoint, "unreadable reply")
@@ -206,10 +246,15 @@ class SourceLinks:
             return None
         return reply
 
-    def send_release(self, link: Link, lease_id: int) -> None:
-        """RELEASE one lease, one-way (best effort: the lease also expires)."""
-        if lease_id:
-            self._control.send(link.endpoint, protocol.encode(protocol.Release(link.session, [lease_id])))
+    def send_release(self, link: Link, lease_id: int, session: int = 0) -> None:
+        """RELEASE one lease granted under ``session`` (default: the link's), one-way (best effort: it also expires)."""
+        if not lease_id:
+            return
+        session = session or link.session
+        payload = protocol.encode(protocol.Release(session, [lease_id]))
+        if session == link.side_session and self._side is not None and self._side.side_send(link.peer.name, payload):
+            return
+        self._control.send(link.endpoint, payload)
 
     def newer(self, link: Link) -> Link | None:
         """The link of a newer incarnation that answered HELLO at ``link``'s endpoint since, if any."""

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvcr.domain.layout import PieceRun
-from kvcr.ports.dataplane import DataPlane, GuardedReads, PeerActivity
+from kvcr.ports.dataplane import DataPlane, GuardedReads, PeerActivity, SideChannel
 from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metric_catalogue import RefusalReason
 from kvcr.ports.metrics import Metrics
@@ -124,6 +124,8 @@ class PeerServer:
         self._activity = data_plane if isinstance(data_plane, PeerActivity) else None
         if isinstance(data_plane, GuardedReads):
             data_plane.guard_reads(self._covered)
+        if isinstance(data_plane, SideChannel):
+            data_plane.serve_side(self.handle)  # frames over side links, their connection being the link
 
     def close_to_new_work(self) -> None:
         """Refuse HELLO and LEASE from now on (shutdown); RELEASE keeps working."""

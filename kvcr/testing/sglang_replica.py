@@ -2,7 +2,8 @@
 
 ``python -m kvcr.testing.sglang_replica --port P --pages N --layers L`` builds SGLang 0.5.23's real
 ``MHATokenToKVPoolHost`` (the shape of ``kvcr.bench.sglang``), creates ``KvcrHiCacheStorage``
-through SGLang's storage factory with transport ``nixl`` and control port ``P``, fills ``N`` pages
+through SGLang's storage factory with transport ``T`` (``--transport``, nixl by default) and control
+port ``P``, fills ``N`` pages
 from a seeded generator, backs them up with ``batch_set_v1``, prints one ``READY {json}`` line
 (port, endpoint, page keys) and serves until stdin closes or it is killed. Another process can
 rebuild the same bytes with :func:`expected_pages`.
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", type=int, required=True)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--transport", default="nixl")
     args = parser.parse_args(argv)
     prepare_environment()
     import torch
@@ -48,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     # Twice the pages it holds: a peer may lease at most half of a pool (the owner keeps room to back up).
     # Twice its pages, and no per-peer share below the lease cap: one peer may lease all it holds.
     dram_bytes = 2 * args.pages * args.layers * LAYER_BYTES
-    store = backend(host, storage_config(args.port, dram_bytes=dram_bytes, peer_lease_share=1.0))
+    config = storage_config(args.port, dram_bytes=dram_bytes, peer_lease_share=1.0, transport=args.transport)
+    store = backend(host, config)
     keys = page_keys(args.pages)
     stored = store.batch_set_v1(keys, torch.arange(args.pages * PAGE_TOKENS, dtype=torch.int64))
     info = {"port": args.port, "endpoint": store.node.endpoint, "stored": sum(stored), "keys": keys}

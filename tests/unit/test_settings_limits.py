@@ -15,7 +15,7 @@ KNOWN = (
     "control_handshake_ms, control_host, control_port, control_timeout_ms, dram_bytes, enable_remote_hint, "
     "kv_events_endpoint, kv_events_topic, landing, lease_ms, max_peer_links, operation_timeout_ms, peer_allowlist, "
     "peer_lease_share, peer_retry_ms, policy, read_batch_pages, recompute_tokens_per_s, rotation_token_files, "
-    "transport, verify_bytes"
+    "same_host_shm, transport, verify_bytes"
 )
 
 
@@ -35,7 +35,12 @@ def refusal(extra):
         ({"auth_token_file": 3}, "kvcr setting 'auth_token_file' must be str or null, got 3"),
         ({"recompute_tokens_per_s": "x"}, "kvcr setting 'recompute_tokens_per_s' must be int or float, got 'x'"),
         ({"peer_allowlist": ["ok", ""]}, "peer_allowlist entries must be non-empty strings, got ''"),
-        ({"transport": "rdma"}, "transport must be one of nixl, ucx, mock, got 'rdma'"),
+        ({"transport": "rdma"}, "transport must be one of nixl, ucx, shm, auto, mock, got 'rdma'"),
+        (
+            {"transport": "shm", "same_host_shm": False},
+            "transport shm shares arenas with same-host peers: it cannot run with same_host_shm false",
+        ),
+        ({"same_host_shm": "no"}, "kvcr setting 'same_host_shm' must be bool, got 'no'"),
         ({"dram_bytes": 0}, "dram_bytes must be positive"),
         ({"control_port": -1}, "control_port must be in 0..65535 (0 disables the peer service), got -1"),
         ({"control_port": 65536}, "control_port must be in 0..65535 (0 disables the peer service), got 65536"),

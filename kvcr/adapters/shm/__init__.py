@@ -5,6 +5,6 @@ per peer, shm when the peer is on this host and the other plane otherwise (``tra
 """
 
 from kvcr.adapters.shm.dataplane import ShmDataPlane
-from kvcr.adapters.shm.routed import SameHostFirst
+from kvcr.adapters.shm.routed import SameHostFirst, fallback_description
 
-__all__ = ["SameHostFirst", "ShmDataPlane"]
+__all__ = ["SameHostFirst", "ShmDataPlane", "fallback_description"]

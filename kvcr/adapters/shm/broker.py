@@ -4,7 +4,9 @@ A peer that connects must send, within ``handshake_s``, the secret from our desc
 only authenticated peers receive) and run as our uid (``SO_PEERCRED``); it then gets the grant
 and the descriptors with it (SCM_RIGHTS), and keeps the connection open: our end closing (at
 ``close``, or because this process died) is how the peer learns that we are gone. Anything else
-is closed without a byte back. One thread serves every connection from a selector, blocked when
+is closed without a byte back. Once granted, the connection is also a *side link*: each frame the
+peer sends is answered by ``serve``'s handler, with this connection's own id (random, never
+reused) as the connection the frame came over. One thread serves every connection from a selector, blocked when
 nothing happens (no idle cost), and at most ``max_connections`` are held at once.
 """
 
@@ -22,6 +24,8 @@ import time
 from collections.abc import Callable
 
 from kvcr.adapters.shm.wire import REQUEST_MAGIC, SECRET_BYTES
+from kvcr.ports.control import ConnectionHandler
+from kvcr.ports.dataplane import SIDE_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +56,16 @@ class Broker:
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._pending: dict[socket.socket, float] = {}  # connection -> handshake deadline
-        self._granted: set[socket.socket] = set()
+        self._granted: dict[socket.socket, bytes] = {}  # connection -> its id, for the side handler
+        self._handler: ConnectionHandler | None = None
+        self.side_frames = 0  # frames answered over side links
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvcr-shm-broker", daemon=True)
         self._thread.start()
+
+    def serve(self, handler: ConnectionHandler) -> None:
+        """Answer frames over granted connections with ``handler`` (else such a frame drops its connection)."""
+        self._handler = handler
 
     @property
     def connections(self) -> int:
@@ -117,14 +127,17 @@ class Broker:
             self._selector.register(conn, selectors.EVENT_READ)
 
     def _readable(self, conn: socket.socket) -> None:
+        if conn in self._granted:
+            self._side_frame(conn)
+            return
         try:
             data = conn.recv(_REQUEST_BYTES + 1)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             data = b""
-        if conn in self._granted or not self._authorised(conn, data):
-            self._drop(conn, refused=conn not in self._granted)  # a granted peer left, or spoke out of turn
+        if not self._authorised(conn, data):
+            self._drop(conn, refused=True)
             return
         try:
             blob, fds = self._grant()
@@ -134,7 +147,30 @@ class Broker:
             self._drop(conn, refused=True)
             return
         del self._pending[conn]
-        self._granted.add(conn)
+        self._granted[conn] = b"shm-side:" + os.urandom(16)
+
+    def _side_frame(self, conn: socket.socket) -> None:
+        """One frame over a side link, answered by the handler; EOF, a cut frame or no handler drop the link."""
+        try:
+            data, _, flags, _ = conn.recvmsg(SIDE_FRAME_BYTES + 1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, flags = b"", 0
+        handler = self._handler
+        if not data or flags & socket.MSG_TRUNC or len(data) > SIDE_FRAME_BYTES or handler is None:
+            self._drop(conn, refused=False)  # the peer left (or broke the framing)
+            return
+        reply = handler(data, self._granted[conn])
+        self.side_frames += 1
+        if reply is None:
+            return
+        try:
+            conn.settimeout(1.0)  # a reply fits the socket buffer; a peer that never reads loses its link
+            conn.sendall(reply)
+            conn.setblocking(False)
+        except OSError:
+            self._drop(conn, refused=False)
 
     def _authorised(self, conn: socket.socket, data: bytes) -> bool:
         if len(data) != _REQUEST_BYTES or not data.startswith(REQUEST_MAGIC):
@@ -148,7 +184,7 @@ class Broker:
         if refused:
             self.refused += 1
         self._pending.pop(conn, None)
-        self._granted.discard(conn)
+        self._granted.pop(conn, None)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn)
         conn.close()

@@ -18,6 +18,10 @@ How the port maps onto shared memory:
   and nothing can land after it returns, so peers have no late writes and ``cancel`` has nothing
   to stop. A peer whose socket has closed (closed or dead) fails its reads.
 - ``disconnect`` unmaps a peer once no read of it is copying.
+- Side links (``SideChannel``): the grant's connection also carries control frames. The source's
+  broker answers them with the peer server's handler (``serve_side``); the target's
+  ``side_request`` is a send and a wait on that socket, a UNIX-socket round trip instead of a
+  CURVE one over ZMQ.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import fcntl
 import hashlib
 import itertools
 import os
+import select
 import socket
 import threading
 from collections.abc import Sequence
@@ -38,8 +43,9 @@ from kvcr.adapters.shm.broker import Broker
 from kvcr.adapters.shm.host import HostIdentity, this_host
 from kvcr.adapters.shm.wire import Description, Grant, RegionWire
 from kvcr.domain.layout import PieceRun, RegionDescriptor
-from kvcr.ports.dataplane import PeerInfo, TransferState
-from kvcr.ports.errors import PeerUnavailable, RegistrationError, TransportError
+from kvcr.ports.control import ConnectionHandler
+from kvcr.ports.dataplane import SIDE_FRAME_BYTES, PeerInfo, TransferState
+from kvcr.ports.errors import ControlTimeout, PeerUnavailable, RegistrationError, TransportError
 from kvcr.ports.memory import SharesMemory
 
 BEACON_BYTES = 64
@@ -70,8 +76,9 @@ class _Peer:
     maps: list[tuple[int, int]]  # (address, size) of each mapping, unmapped at the end
     regions: dict[int, tuple[int, RegionWire]]  # region id -> (address of its piece 0, shape)
     info: PeerInfo
-    copying: int = 0
+    users: int = 0  # reads copying from its mappings, side requests waiting on its socket
     closing: bool = False
+    side: threading.Lock = field(default_factory=threading.Lock)  # one side request at a time
 
 
 @dataclass(slots=True)
@@ -108,6 +115,8 @@ class ShmDataPlane:
         self._transfers: dict[int, TransferState] = {}
         self._broker: Broker | None = None
         self._beacon: _Beacon | None = None
+        self._side_handler: ConnectionHandler | None = None
+        self.side_requests = 0  # side round trips this plane made as a target
 
     @property
     def name(self) -> str:
@@ -146,6 +155,8 @@ class ShmDataPlane:
             if self._broker is None:
                 self._beacon = _new_beacon()
                 self._broker = Broker(self._secret, self._grant)
+                if self._side_handler is not None:
+                    self._broker.serve(self._side_handler)
             exposed = [
                 RegionWire(rid, r.region.count, r.region.piece_bytes, r.region.stride)
                 for rid, r in self._regions.items()
@@ -224,17 +235,14 @@ class ShmDataPlane:
             moves = [move for run in runs for move in self._moves(known, run)]
             alive = self._alive(known)
             if alive:
-                known.copying += 1
+                known.users += 1
             handle = next(self._handles)
         if alive:
             try:
                 for dst, src, nbytes in moves:
                     _memmove(dst, src, nbytes)
             finally:
-                with self._lock:
-                    known.copying -= 1
-                    if known.closing and not known.copying:
-                        _unmap(known)
+                self._done_with(known)
         with self._lock:
             self._transfers[handle] = TransferState.DONE if alive else TransferState.FAILED
         return handle
@@ -268,6 +276,64 @@ class ShmDataPlane:
         except OSError:
             return False
         return bool(data)  # b"": closed; data: the peer spoke out of turn, treated as alive (ignored)
+
+    def _done_with(self, peer: _Peer) -> None:
+        with self._lock:
+            peer.users -= 1
+            if peer.closing and not peer.users:
+                _unmap(peer)
+
+    # ------------------------------------------------------------------ side links
+
+    def serve_side(self, handler: ConnectionHandler) -> None:
+        with self._lock:
+            self._side_handler = handler
+            if self._broker is not None:
+                self._broker.serve(handler)
+
+    def side_request(self, peer: str, payload: bytes, timeout_s: float) -> bytes | None:
+        if len(payload) > SIDE_FRAME_BYTES:
+            return None
+        with self._lock:
+            known = self._peers.get(peer)
+            if self._closed or known is None or known.closing:
+                return None
+            known.users += 1
+            self.side_requests += 1
+        try:
+            with known.side:
+                try:
+                    known.sock.send(payload, socket.MSG_DONTWAIT)
+                except OSError as exc:
+                    raise PeerUnavailable(f"shm peer {peer!r}: its side link is closed: {exc}") from exc
+                poller = select.poll()
+                poller.register(known.sock, select.POLLIN)
+                if not poller.poll(max(0, int(timeout_s * 1000))):
+                    raise ControlTimeout(f"shm peer {peer!r} did not answer within {timeout_s:.3f}s")
+                try:
+                    reply, _, flags, _ = known.sock.recvmsg(SIDE_FRAME_BYTES + 1)
+                except OSError as exc:
+                    raise PeerUnavailable(f"shm peer {peer!r}: its side link broke: {exc}") from exc
+                if not reply:
+                    raise PeerUnavailable(f"shm peer {peer!r} closed its side link")
+                if flags & socket.MSG_TRUNC:
+                    raise PeerUnavailable(f"shm peer {peer!r} sent a reply larger than a side frame")
+                return reply
+        finally:
+            self._done_with(known)
+
+    def side_send(self, peer: str, payload: bytes) -> bool:
+        if len(payload) > SIDE_FRAME_BYTES:
+            return False
+        with self._lock:
+            known = self._peers.get(peer)
+            if self._closed or known is None or known.closing:
+                return False
+            try:
+                known.sock.send(payload, socket.MSG_DONTWAIT)
+            except OSError:
+                return False
+            return True
 
     def poll(self, handle: int) -> TransferState:
         with self._lock:
@@ -307,7 +373,7 @@ class ShmDataPlane:
     def _retire(self, peer: _Peer) -> None:
         """Close a peer's socket; unmap now, or when its last copy ends. Called under the lock."""
         peer.closing = True
-        if not peer.copying:
+        if not peer.users:
             _unmap(peer)
 
     def _check_open(self) -> None:

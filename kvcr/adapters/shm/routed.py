@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import msgspec
 
 from kvcr.domain.layout import PieceRun, RegionDescriptor
-from kvcr.ports.dataplane import DataPlane, GuardedReads, PeerInfo, ReadGuard, TransferState
+from kvcr.ports.control import ConnectionHandler
+from kvcr.ports.dataplane import DataPlane, GuardedReads, PeerInfo, ReadGuard, SideChannel, TransferState
 from kvcr.ports.errors import PeerUnavailable, TransportError
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,19 @@ class _Route:
     ids: dict[int, int]  # the peer's ids -> that plane's ids on the peer
 
 
+def fallback_description(description: bytes) -> tuple[bytes, dict[int, int]]:
+    """The other plane's part of an ``auto`` description, and our region ids -> its ids (for a bare reader).
+
+    Raises:
+        PeerUnavailable: not an ``auto`` description.
+    """
+    try:
+        desc = msgspec.msgpack.decode(description, type=_Wire)
+    except (msgspec.MsgspecError, TypeError) as exc:
+        raise PeerUnavailable(f"not an auto peer description: {exc}") from exc
+    return desc.fallback, {mine: fallback for mine, _, fallback in desc.ids}
+
+
 class SameHostFirst:
     """A DataPlane that reads from same-host peers through ``shm`` and from the others through ``fallback``."""
 
@@ -55,6 +69,11 @@ class SameHostFirst:
     @property
     def name(self) -> str:
         return self._fallback.name
+
+    @property
+    def shm(self) -> DataPlane:
+        """The same-host plane (diagnostics: its counters)."""
+        return self._shm
 
     def plane_of(self, peer: str) -> str | None:
         """Which plane reads from ``peer`` (``"shm"`` or ``"fallback"``), None if not connected."""
@@ -172,6 +191,26 @@ class SameHostFirst:
             return allowed(lease, [PieceRun(ours[r.src], r.src_first, r.dst, r.dst_first, r.count) for r in runs])
 
         self._fallback.guard_reads(in_our_ids)
+
+    def serve_side(self, handler: ConnectionHandler) -> None:
+        """Side links are the shm plane's (a NIXL peer has none)."""
+        if isinstance(self._shm, SideChannel):
+            self._shm.serve_side(handler)
+
+    def _side(self, peer: str) -> SideChannel | None:
+        with self._lock:
+            route = self._routes.get(peer)
+        if route is None or route.plane is not self._shm or not isinstance(self._shm, SideChannel):
+            return None
+        return self._shm
+
+    def side_request(self, peer: str, payload: bytes, timeout_s: float) -> bytes | None:
+        side = self._side(peer)
+        return side.side_request(peer, payload, timeout_s) if side is not None else None
+
+    def side_send(self, peer: str, payload: bytes) -> bool:
+        side = self._side(peer)
+        return side.side_send(peer, payload) if side is not None else False
 
     def close(self) -> None:
         self._fallback.close()  # refuses (KvcrError) while one of its reads is live

@@ -92,7 +92,7 @@ def keep_busy(d: Deployment, tokens: list[int]) -> Background:
     return busy
 
 
-def test_the_router_hints_a_to_b_and_b_reads_as_pages_over_nixl(cluster):
+def test_the_router_hints_a_to_b_and_b_reads_as_pages(cluster):
     d, w = cluster
     tokens = prefix(1)
     seed_on(d, w["a"], tokens)
@@ -114,7 +114,8 @@ def test_the_router_hints_a_to_b_and_b_reads_as_pages_over_nixl(cluster):
     pages_b, pages_a = scrape(w["b"]), scrape(w["a"])
     assert pages_b[("kvcr_pages_total", (("outcome", "ok"), ("path", "remote_restore")))] >= PREFIX_PAGES
     assert pages_a[("kvcr_pages_total", (("outcome", "ok"), ("path", "served")))] >= PREFIX_PAGES
-    assert pages_a[("kvcr_build_info", (("transport", "nixl"), ("version", kvcr.__version__)))] == 1
+    # The deployment's default transport: auto (one host, so B read A's arena over shm).
+    assert pages_a[("kvcr_build_info", (("transport", "auto"), ("version", kvcr.__version__)))] == 1
     assert not [name for name, _ in pages_a if name.endswith("_created")]
 
 

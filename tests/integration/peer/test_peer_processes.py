@@ -1,6 +1,7 @@
 """Peer restore between processes over real NIXL (UCX on loopback) and the ZMQ control channel.
 
-The tests parametrized by ``transport`` also run with the UCX data plane (ucxx) on both sides.
+The tests parametrized by ``transport`` also run with the UCX data plane (ucxx), the same-host
+shm plane and ``auto`` on both sides.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kvcr.domain.outcomes import Outcome
 from kvcr.ports.errors import PeerUnavailable
 from kvcr.runner import protocol
 from kvcr.runner.peer_client import PoolRead
-from kvcr.runner.protocol import Hello, HelloReply, RefusalCode, Refused
+from kvcr.runner.protocol import Hello, HelloReply, Lease, LeaseReply, RefusalCode, Refused
 from kvcr.testing.processes import stop_process
 from kvcr.testing.replica import HostPool, bench_keys, bench_pool, build_node, page_pattern
 from tests.support import free_port
@@ -147,6 +148,9 @@ def test_target_process_restores_source_pages_byte_equal(sources, target, transp
         assert host.read(100 + i) == page_pattern(key, PAGE), f"page {i} differs"
     if transport == "auto":  # two processes on one host: the auto plane read over shm
         assert node.data_plane.plane_of(source.name) == "shm"
+    if transport in ("shm", "auto"):  # HELLO and LEASE went over the side link too
+        shm = node.data_plane.shm if transport == "auto" else node.data_plane
+        assert shm.side_requests >= 2
 
 
 def test_kill_9_mid_restore_gives_misses_within_the_deadline_and_a_restarted_source_serves(sources, target):
@@ -264,3 +268,42 @@ def test_the_remote_benchmark_command_runs_and_verifies_bytes(tmp_path, transpor
     [result] = json.loads(out.read_text())
     assert result["verified"] is True and result["pages"] == 8 and result["transport"] == transport
     assert result["checked_restore_p50_ms"] > 0 and result["verify_cost"] > 0  # verify_bytes on, same run
+
+
+def test_a_session_opened_over_a_side_link_is_bound_to_it_and_a_zmq_one_to_zmq(sources, target):
+    """A LEASE under another connection's session is refused whichever way it comes (ZMQ or the shm side link)."""
+    import secrets
+
+    from kvcr.adapters.shm import ShmDataPlane
+
+    source = sources(4, transport="shm")
+    node, _ = target(transport="shm")
+    namespaces = dict(node.runner.namespaces)
+    channel = ZmqControlChannel("127.0.0.1", free_port())
+    plane = ShmDataPlane(f"side-prober-{os.getpid()}", MmapHostMemory(shared=True))
+    try:
+
+        def ask_zmq(message):
+            return protocol.decode(channel.request(source.endpoint, protocol.encode(message), 3.0))
+
+        def ask_side(message):
+            return protocol.decode(plane.side_request(peer.name, protocol.encode(message), 3.0))
+
+        def lease(session):
+            return Lease(secrets.token_bytes(16), session, 2000, [(kv.pool_id, source.keys)])
+
+        over_zmq = ask_zmq(Hello(secrets.token_bytes(16), "prober", "p", namespaces))
+        assert isinstance(over_zmq, HelloReply)
+        (kv,) = [p for p in over_zmq.pools if p.name == "kv"]
+        peer = plane.connect(over_zmq.data_plane, 5.0)
+        over_side = ask_side(Hello(secrets.token_bytes(16), "prober", "p", namespaces))
+        assert isinstance(over_side, HelloReply) and over_side.session != over_zmq.session
+        for ask, foreign in ((ask_side, over_zmq.session), (ask_zmq, over_side.session)):
+            refused = ask(lease(foreign))
+            assert isinstance(refused, Refused) and refused.code == RefusalCode.UNKNOWN_SESSION
+        for ask, own in ((ask_side, over_side.session), (ask_zmq, over_zmq.session)):
+            granted = ask(lease(own))
+            assert isinstance(granted, LeaseReply) and granted.lease_id
+    finally:
+        plane.close()
+        channel.close()

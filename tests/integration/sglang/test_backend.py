@@ -246,9 +246,10 @@ def test_the_sglang_benchmark_command_runs_and_verifies_bytes(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "batch_set_v1" in printed and "hinted batch_get_v1" in printed
     results = json.loads(out.read_text())
-    [local], [remote] = results["local"], results["remote"]
+    [local], remotes = results["local"], results["remote"]
     assert local["verified"] is True and local["page_bytes"] == 256 * 1024
-    assert remote["verified"] is True and remote["pages"] == 4
+    assert [r["transport"] for r in remotes] == ["nixl", "auto"]  # the default: NIXL, and auto (shm here)
+    assert all(r["verified"] is True and r["pages"] == 4 for r in remotes)
 
 
 @pytest.mark.parametrize("storage_metrics", [False, True])

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,8 +29,8 @@ from kvcr.adapters.shm.broker import Broker
 from kvcr.adapters.shm.host import HostIdentity, this_host
 from kvcr.adapters.shm.wire import REQUEST_MAGIC, SECRET_BYTES
 from kvcr.domain.layout import PieceRun, RegionDescriptor
-from kvcr.ports.dataplane import TransferState
-from kvcr.ports.errors import PeerUnavailable, RegistrationError
+from kvcr.ports.dataplane import SIDE_FRAME_BYTES, TransferState
+from kvcr.ports.errors import ControlTimeout, PeerUnavailable, RegistrationError
 from kvcr.ports.memory import SharedBacking
 from kvcr.testing.processes import stop_process, wait_until_stopped
 
@@ -280,3 +281,50 @@ def test_a_frozen_source_stalls_no_read_and_a_killed_one_fails_them_at_once(memo
             target.connect(source.description, 1.0)  # nobody serves its socket any more
     finally:
         source.close()
+
+
+# ---------------------------------------------------------------------- side links
+
+
+def test_side_links_carry_frames_bound_to_their_own_connection(memory, planes):
+    source, target, *_ = _pair(memory, planes)
+    other = planes(ShmDataPlane("other", memory))
+    seen = []
+
+    def handler(frame, connection):
+        seen.append((frame, connection))
+        return None if frame == b"one-way" else b"re:" + frame
+
+    source.serve_side(handler)
+    description = source.describe()
+    for plane in (target, other):
+        plane.connect(description, 5.0)
+    assert target.side_request("source", b"ping", 2.0) == b"re:ping"
+    assert target.side_request("source", b"again", 2.0) == b"re:again"
+    assert other.side_request("source", b"ping", 2.0) == b"re:ping"
+    assert target.side_send("source", b"one-way")
+    deadline = time.monotonic() + 2.0
+    while len(seen) < 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    connections = [c for _, c in seen]
+    assert connections[0] == connections[1] == connections[3] != connections[2]  # one id per link
+    assert all(c.startswith(b"shm-side:") for c in connections)
+    assert target.side_request("nobody", b"ping", 1.0) is None  # no link: the caller uses the control channel
+    assert target.side_request("source", b"x" * (SIDE_FRAME_BYTES + 1), 1.0) is None
+    assert not target.side_send("source", b"x" * (SIDE_FRAME_BYTES + 1))
+
+
+def test_a_side_request_to_a_stalled_source_times_out_and_to_a_closed_one_fails(memory, planes):
+    source, target, *_ = _pair(memory, planes)
+    release = threading.Event()
+    source.serve_side(lambda frame, connection: release.wait(5.0) and b"late")
+    target.connect(source.describe(), 5.0)
+    started = time.monotonic()
+    with pytest.raises(ControlTimeout):
+        target.side_request("source", b"ping", 0.2)
+    assert time.monotonic() - started < 1.0
+    release.set()
+    source.close()
+    with pytest.raises(PeerUnavailable):
+        for _ in range(3):  # a late reply may still be queued; then the closed link
+            target.side_request("source", b"ping", 1.0)
