@@ -88,6 +88,7 @@ class LeaseTable:
         quota = self.quota
         may_lease = quota.may_lease(holder)
         ready = SlotState.READY
+        try_pin = quota.try_pin
         for pool, pages in requests:
             index = indexes.get(pool)
             if index is None or not self.leasing or not may_lease:
@@ -95,7 +96,7 @@ class LeaseTable:
                 slots.append((MISSING_SLOT,) * len(pages))
                 digests.append((b"",) * len(pages))
                 continue
-            entries = index.entries
+            entries, peer_cap = index.entries, index.peer_cap
             pool_slots: list[int] = []
             pool_digests: list[bytes] = []
             before = len(claims)
@@ -105,12 +106,11 @@ class LeaseTable:
                     pool_slots.append(MISSING_SLOT)
                     pool_digests.append(b"")
                     continue
-                if not quota.may_pin(holder, pool, entry, index.peer_cap):
+                if not try_pin(holder, pool, entry, peer_cap):
                     over_quota += 1
                     pool_slots.append(MISSING_SLOT)
                     pool_digests.append(b"")
                     continue
-                quota.pin(holder, pool, entry)
                 index.pin(entry)
                 claims.append((pool, entry))
                 pool_slots.append(entry.slot)

@@ -13,64 +13,110 @@ Not thread-safe: the runner drives it under its lock, on every grant and every l
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Hashable, Iterable
 
 
+class _Holder:
+    """One holder's pins: claims per page, distinct pages per pool, live leases."""
+
+    __slots__ = ("leases", "pages", "pinned")
+
+    def __init__(self) -> None:
+        self.pages: dict[Hashable, int] = {}  # page -> this holder's leases claiming it
+        self.pinned: dict[str, int] = {}  # pool -> distinct pages pinned
+        self.leases = 0
+
+
 class PeerQuota:
-    """Pages pinned per (holder, pool) and live leases per holder."""
+    """Pages pinned per (holder, pool) and live leases per holder.
+
+    Plain dicts, one lookup per holder and one per page: a LEASE of a few hundred pages pays this
+    on the source's side-link thread for every grant and every release, so it stays off Counter
+    (whose missing-key path runs Python code per page).
+    """
+
+    __slots__ = ("_holders", "max_leases")
 
     def __init__(self, max_leases: int) -> None:
         self.max_leases = max_leases
-        self._pins: dict[int, Counter[Hashable]] = {}  # holder -> page -> its leases holding that page
-        self._pinned: Counter[tuple[int, str]] = Counter()  # (holder, pool) -> distinct pages pinned
-        self._leases: Counter[int] = Counter()
+        self._holders: dict[int, _Holder] = {}
 
     def may_lease(self, holder: int) -> bool:
         """Whether ``holder`` may take one more lease."""
-        return not holder or self._leases[holder] < self.max_leases
+        if not holder:
+            return True
+        held = self._holders.get(holder)
+        return held is None or held.leases < self.max_leases
 
     def may_pin(self, holder: int, pool: str, page: Hashable, cap: int) -> bool:
         """Whether ``holder`` may pin ``page`` of ``pool``: it pins it already, or fewer than ``cap`` pages."""
         if not holder:
             return True
-        pins = self._pins.get(holder)
-        return (pins is not None and page in pins) or self._pinned[(holder, pool)] < cap
+        held = self._holders.get(holder)
+        if held is None:
+            return cap > 0
+        return page in held.pages or held.pinned.get(pool, 0) < cap
 
     def pin(self, holder: int, pool: str, page: Hashable) -> None:
         """Count one more claim of ``holder`` on ``page`` of ``pool`` (for the lease being granted)."""
+        if holder:
+            self._pin(self._holder(holder), pool, page)
+
+    def try_pin(self, holder: int, pool: str, page: Hashable, cap: int) -> bool:
+        """``pin`` if ``may_pin``, in one step; whether it pinned."""
         if not holder:
-            return
-        pins = self._pins.setdefault(holder, Counter())
-        if not pins[page]:
-            self._pinned[(holder, pool)] += 1
-        pins[page] += 1
+            return True
+        held = self._holders.get(holder)
+        if held is None:
+            if cap <= 0:
+                return False
+            held = self._holders[holder] = _Holder()
+        elif page not in held.pages and held.pinned.get(pool, 0) >= cap:
+            return False
+        self._pin(held, pool, page)
+        return True
 
     def add_lease(self, holder: int) -> None:
         """Count a granted lease of ``holder`` (after its pages were pinned)."""
         if holder:
-            self._leases[holder] += 1
+            self._holder(holder).leases += 1
 
     def end(self, holder: int, pages: Iterable[tuple[str, Hashable]]) -> None:
         """Forget a lease of ``holder`` (released or expired) that pinned ``pages`` ((pool, page), repeats allowed)."""
         if not holder:
             return
-        self._leases[holder] -= 1
-        if self._leases[holder] <= 0:
-            del self._leases[holder]
-        pins = self._pins.get(holder)
-        if pins is None:
+        held = self._holders.get(holder)
+        if held is None:
             return
+        held.leases -= 1
+        claims, pinned = held.pages, held.pinned
         for pool, page in pages:
-            pins[page] -= 1
-            if pins[page] <= 0:
-                del pins[page]
-                self._pinned[(holder, pool)] -= 1
-                if self._pinned[(holder, pool)] <= 0:
-                    del self._pinned[(holder, pool)]
-        if not pins:
-            del self._pins[holder]
+            n = claims.get(page, 0) - 1
+            if n > 0:
+                claims[page] = n
+                continue
+            if claims.pop(page, None) is not None:
+                left = pinned.get(pool, 0) - 1
+                if left > 0:
+                    pinned[pool] = left
+                else:
+                    pinned.pop(pool, None)
+        if held.leases <= 0 and not claims:
+            del self._holders[holder]
 
     def holders(self) -> int:
         """How many holders have live leases (bounded by the live leases themselves)."""
-        return len(self._leases)
+        return sum(1 for held in self._holders.values() if held.leases > 0)
+
+    def _holder(self, holder: int) -> _Holder:
+        held = self._holders.get(holder)
+        if held is None:
+            held = self._holders[holder] = _Holder()
+        return held
+
+    @staticmethod
+    def _pin(held: _Holder, pool: str, page: Hashable) -> None:
+        n = held.pages.get(page, 0)
+        if not n:
+            held.pinned[pool] = held.pinned.get(pool, 0) + 1
+        held.pages[page] = n + 1

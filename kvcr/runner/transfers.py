@@ -47,7 +47,7 @@ class PoolRead:
     host_slots: Sequence[int]
 
 
-@dataclass
+@dataclass(slots=True)
 class Wanted:
     """One leased page to read: where it is in its request, its key, where it lands, where it is."""
 
@@ -87,6 +87,7 @@ class Transfers:
         self._timing: Timing = runner.config.timing
         self._verify = runner.config.verify_bytes
         self._specs: dict[str, PoolSpec] = {p.name: p for p in runner.pools}
+        self._page_bytes = {p.name: p.page_bytes for p in runner.pools}  # a spec sums its components each time
         self._lock = threading.Lock()
         self._quarantine: list[tuple[int, list[StagingBuffer]]] = []  # (handle, its staging buffers)
 
@@ -159,8 +160,8 @@ class Transfers:
                 with self._lock:
                     self._quarantine.append((unsettled, list(buffers.values())))
             return [verdict] * len(chunk), False
-        specs = self._specs
-        nbytes = sum(specs[item.pool].page_bytes for item in chunk)
+        page_bytes = self._page_bytes
+        nbytes = sum(page_bytes[pool] * len(items) for pool, items in by_pool.items())
         link.learn_rate(nbytes, self._clock.now() - started)
         if not link.staged:
             return self._checked(lease, chunk, lambda item: None), True

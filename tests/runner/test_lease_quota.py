@@ -73,6 +73,20 @@ def test_the_quota_model_forgets_a_holder_once_its_leases_end():
     assert quota.may_lease(0) and quota.may_pin(0, "kv", "q", cap=0)  # holder 0 is never counted
 
 
+def test_try_pin_pins_only_what_may_pin_allows_and_counts_each_pool_apart():
+    quota = PeerQuota(max_leases=4)
+    assert not quota.try_pin(MINE, "kv", "p", cap=0) and quota.holders() == 0  # nothing recorded
+    assert quota.try_pin(MINE, "kv", "p", cap=2) and quota.try_pin(MINE, "kv", "q", cap=2)
+    assert not quota.try_pin(MINE, "kv", "r", cap=2)  # a third distinct page is over the share
+    assert quota.try_pin(MINE, "kv", "p", cap=2)  # a page it pins already costs nothing more
+    assert quota.try_pin(MINE, "state", "s", cap=1)  # another pool's share is its own
+    assert quota.try_pin(THEIRS, "kv", "r", cap=2)  # and another holder's
+    quota.add_lease(MINE)
+    quota.end(MINE, [("kv", "p"), ("kv", "q"), ("kv", "p"), ("state", "s")])
+    assert quota.may_pin(MINE, "kv", "r", cap=1) and quota.may_pin(MINE, "state", "t", cap=1)
+    assert quota.try_pin(0, "kv", "r", cap=0)  # holder 0 is never counted
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
