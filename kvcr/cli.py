@@ -405,6 +405,11 @@ def _demo(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvcr demo: --page-kib must be a multiple of 16, got {args.page_kib}")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise SystemExit(f"kvcr demo: --plot must name a .png file, got {args.plot!r}")
+    from kvcr.demo.dynamo.control_plane import missing
+
+    absent = missing(args.discovery, args.event_plane)
+    if absent:
+        raise SystemExit(f"kvcr demo: --discovery {args.discovery} --event-plane {args.event_plane}: {absent}")
     options = DemoOptions(
         workers=args.workers,
         turns=args.turns,
@@ -415,6 +420,8 @@ def _demo(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         transport=args.transport,
         metrics_port=args.metrics_port,
+        discovery=args.discovery,
+        event_plane=args.event_plane,
     )
     return run_cluster_demo(options)
 
@@ -457,6 +464,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=_port,
         default=None,
         help="worker i serves kvcr's /metrics on this loopback port + i (default: none)",
+    )
+    demo.add_argument(
+        "--discovery",
+        choices=("file", "etcd"),
+        default="file",
+        help="Dynamo's discovery: a shared directory, or an etcd the demo starts (Dynamo's production default)",
+    )
+    demo.add_argument(
+        "--event-plane",
+        choices=("zmq", "nats"),
+        default="zmq",
+        help="how KV events reach the router: Dynamo's zmq plane, or a NATS server the demo starts",
     )
     demo.add_argument(
         "--local-only", action="store_true", help="the single-process demo instead: one runner's local tier"

@@ -77,19 +77,23 @@ if [ "${KVCR_FORCE_INSTALL:-0}" != "1" ] && [ -x "$VENV/bin/python" ] \
     exit 0
 fi
 
-# --- native build tools for SGLang's page-hash extension (torch.utils.cpp_extension) ---
-# g++, ninja and OpenSSL headers. Best effort: only installs when missing and apt is usable.
+# --- system packages ---
+# g++, ninja and OpenSSL headers for SGLang's page-hash extension (torch.utils.cpp_extension); etcd
+# and NATS for Dynamo's production control plane (`kvcr demo --discovery etcd`, its E2E test).
+# Best effort: only installs when missing and apt is usable.
 missing_pkgs=()
 command -v g++ >/dev/null 2>&1 || missing_pkgs+=(g++)
 command -v ninja >/dev/null 2>&1 || missing_pkgs+=(ninja-build)
 [ -f /usr/include/openssl/sha.h ] || missing_pkgs+=(libssl-dev)
+command -v etcd >/dev/null 2>&1 || missing_pkgs+=(etcd-server)
+command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing_pkgs+=(nats-server)
 if [ "${#missing_pkgs[@]}" -gt 0 ]; then
     if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
         log "apt-get install ${missing_pkgs[*]}"
         apt-get update -qq >/dev/null
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing_pkgs[@]}" >/dev/null
     else
-        log "WARNING: missing ${missing_pkgs[*]}; SGLang's native page hash cannot be compiled"
+        log "WARNING: missing ${missing_pkgs[*]}; SGLang's native page hash or Dynamo's etcd/NATS plane is unavailable"
     fi
 fi
 

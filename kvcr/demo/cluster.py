@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcr.demo.dynamo.control_plane import ControlPlaneError
 from kvcr.demo.dynamo.deployment import Deployment, DeploymentError, WorkerSpec
 from kvcr.demo.dynamo.tiny_model import word
 from kvcr.domain.units import format_byte_size
@@ -48,6 +49,8 @@ class DemoOptions:
     stagger_s: float = 0.15
     transport: str = "auto"
     metrics_port: int | None = None  # worker i serves /metrics on this port + i
+    discovery: str = "file"  # or "etcd": an etcd server the deployment starts
+    event_plane: str = "zmq"  # or "nats": a NATS server the deployment starts
 
     @property
     def conversation_count(self) -> int:
@@ -188,9 +191,24 @@ def run_cluster_demo(options: DemoOptions) -> int:
     started = time.monotonic()
     with ExitStack() as stack:
         workdir = Path(options.workdir) if options.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        deployment = stack.enter_context(Deployment(workdir / "deployment", page_tokens=PAGE_TOKENS))
-        with console.status(f"starting Dynamo's frontend (KV router) and {options.workers} kvcr workers"):
-            deployment.start_frontend()
+        deployment = stack.enter_context(
+            Deployment(
+                workdir / "deployment",
+                page_tokens=PAGE_TOKENS,
+                discovery_backend=options.discovery,
+                event_plane=options.event_plane,
+            )
+        )
+        servers = [
+            name for name, on in (("etcd", options.discovery == "etcd"), ("NATS", options.event_plane == "nats")) if on
+        ]
+        starting = ", ".join([*servers, "Dynamo's frontend (KV router)"])
+        with console.status(f"starting {starting} and {options.workers} kvcr workers"):
+            try:
+                deployment.start_frontend()
+            except ControlPlaneError as exc:
+                results.print(f"[red]kvcr demo: {exc}[/red]")
+                return 1
             workers = [
                 deployment.start_worker(
                     WorkerSpec(
@@ -212,7 +230,8 @@ def run_cluster_demo(options: DemoOptions) -> int:
                 results.print(f"[red]kvcr demo: {exc}[/red]")
                 return 1
         console.print(
-            f"frontend {deployment.url} (router-mode kv), {options.workers} workers over {options.transport}, "
+            f"frontend {deployment.url} (router-mode kv, {options.discovery} discovery, "
+            f"{options.event_plane} event plane), {options.workers} workers over {options.transport}, "
             f"{options.page_kib} KiB pages of {PAGE_TOKENS} tokens; ready after {time.monotonic() - started:.0f} s"
         )
         if options.metrics_port is not None:

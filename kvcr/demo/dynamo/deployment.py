@@ -1,7 +1,9 @@
 """One machine's Dynamo deployment: ``python -m dynamo.frontend --router-mode kv`` and kvcr workers.
 
-Everything is on loopback: file-based discovery in a fresh directory (no etcd, no NATS), the tcp
-request plane, the zmq event plane, every advertised host 127.0.0.1, ports from the kernel. Each
+Everything is on loopback: discovery in a fresh directory (``discovery_backend="file"``, the
+default) or through an etcd this deployment starts (``"etcd"``, Dynamo's production default), the
+tcp request plane, KV events on the zmq event plane (or ``event_plane="nats"``, through a NATS
+server it starts), every advertised host 127.0.0.1, ports from the kernel. Each
 process logs to ``<workdir>/<name>.log``; each worker appends its report to
 ``<workdir>/<name>.jsonl``. The demo and the end-to-end tests drive it the same way::
 
@@ -29,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from kvcr.demo.dynamo.control_plane import DISCOVERY_BACKENDS, EVENT_PLANES, ControlPlane
 from kvcr.demo.dynamo.tiny_model import write_tiny_model
 from kvcr.testing.ports import free_port_block
 
@@ -119,11 +122,20 @@ class Deployment:
     python: str = sys.executable
     router_args: tuple[str, ...] = ()
     http_port: int = 0
+    discovery_backend: str = "file"
+    event_plane: str = "zmq"
     workers: list[Worker] = field(default_factory=list, init=False)
+    control_plane: ControlPlane | None = field(default=None, init=False)
     _frontend: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _logs: list[IO[bytes]] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
+        if self.discovery_backend not in DISCOVERY_BACKENDS:
+            raise DeploymentError(
+                f"discovery_backend must be one of {DISCOVERY_BACKENDS}, got {self.discovery_backend!r}"
+            )
+        if self.event_plane not in EVENT_PLANES:
+            raise DeploymentError(f"event_plane must be one of {EVENT_PLANES}, got {self.event_plane!r}")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.model = str(write_tiny_model(self.workdir / "model"))
         self.discovery = self.workdir / "discovery"
@@ -131,12 +143,24 @@ class Deployment:
 
     # ------------------------------------------------------------------ processes
 
+    def _servers(self) -> ControlPlane | None:
+        """The etcd / NATS this deployment needs, started on first use (None with neither)."""
+        wanted_etcd, wanted_nats = self.discovery_backend == "etcd", self.event_plane == "nats"
+        if self.control_plane is None and (wanted_etcd or wanted_nats):
+            self.control_plane = ControlPlane(self.workdir / "control-plane", etcd=wanted_etcd, nats=wanted_nats)
+            self.control_plane.start()
+        return self.control_plane
+
     def _env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update({var: LOOPBACK for var in _HOST_VARS})
+        servers = self._servers()
+        if servers is not None:
+            env.update(servers.env())
         env.update(
-            DYN_DISCOVERY_BACKEND="file",
+            DYN_DISCOVERY_BACKEND=self.discovery_backend,
             DYN_FILE_KV=str(self.discovery),
+            DYN_EVENT_PLANE=self.event_plane,
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             UCX_NET_DEVICES=env.get("UCX_NET_DEVICES", "lo"),
@@ -172,7 +196,7 @@ class Deployment:
             "--router-mode",
             "kv",
             "--discovery-backend",
-            "file",
+            self.discovery_backend,
             *self.router_args,
         ]
         self._frontend, _ = self._spawn("frontend", args, self._env())
@@ -308,6 +332,8 @@ class Deployment:
         for handle in self._logs:
             handle.close()
         self._logs.clear()
+        if self.control_plane is not None:
+            self.control_plane.close()
 
     def __enter__(self) -> Deployment:
         return self

@@ -91,7 +91,7 @@ class KvcrWorker(LLMEngine):
             served_model_name=settings.model,
             discovery_backend=settings.discovery_backend,
             request_plane="tcp",
-            event_plane="zmq",
+            event_plane=settings.event_plane,
         )
         return cls(settings), config
 

@@ -29,6 +29,7 @@ class WorkerSettings:
     component: str = "kvcr"
     endpoint: str = "generate"
     discovery_backend: str = "file"
+    event_plane: str = "zmq"
     host: str = "127.0.0.1"
     control_port: int = 0
     kv_events_port: int = 0
@@ -71,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", default="generate")
     p.add_argument(
         "--discovery-backend", default=os.environ.get("DYN_DISCOVERY_BACKEND", "file"), help="Dynamo discovery"
+    )
+    p.add_argument(
+        "--event-plane",
+        choices=("zmq", "nats"),
+        default=os.environ.get("DYN_EVENT_PLANE", "zmq"),
+        help="Dynamo's event plane for KV events (nats reads NATS_SERVER)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address kvcr's control service and events use")
     p.add_argument("--control-port", type=int, required=True, help="kvcr peer control port (hints name it)")
@@ -151,6 +158,7 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerSettings:
         component=args.component,
         endpoint=args.endpoint,
         discovery_backend=args.discovery_backend,
+        event_plane=args.event_plane,
         host=args.host,
         control_port=args.control_port,
         kv_events_port=args.kv_events_port,
