@@ -1,7 +1,9 @@
-"""Two hosts on one machine: two network namespaces joined by a veth pair (root only).
+"""Hosts on one machine: network namespaces joined by veth pairs (root only).
 
-:class:`TwoHosts` creates the namespaces and the pair with addresses of its own inside them
+:class:`TwoHosts` creates two namespaces and the pair with addresses of its own inside them
 (nothing leaves them), can cut the link (``ip link set ... down``) and always removes both.
+:class:`Hosts` puts any number of namespaces on one switch: a bridge in a namespace of its own,
+one veth pair from each host to it, every address in one /24 that exists nowhere else.
 :func:`enter_netns` moves a fresh, single-threaded process into one of them, as ``ip netns exec``
 does. Namespace names carry the creating process's id, so parallel runs do not collide.
 """
@@ -59,6 +61,57 @@ class TwoHosts:
 
     def remove(self) -> None:
         for ns in (self.a, self.b):  # deleting a namespace deletes its end of the pair, and so the pair
+            _ip("netns", "del", ns, check=False)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.remove()
+
+
+class Hosts:
+    """``count`` namespaces (``names[i]``, device ``devs[i]``, address ``addrs[i]``) on one bridge.
+
+    The bridge lives in namespace ``hub`` (nothing else does), so the hosts reach each other and
+    nothing outside; the machine's own namespace is untouched.
+
+    Raises:
+        OSError: ``ip`` is missing or refused (not root); nothing is left behind.
+    """
+
+    def __init__(self, count: int, tag: str = "", subnet: str = "10.232.0") -> None:
+        if not 2 <= count <= 16:
+            raise ValueError(f"count must be in [2, 16], got {count}")
+        tag = tag or f"kh{os.getpid() % 100000}"
+        self.hub = f"{tag}hub"
+        self.names = [f"{tag}n{i}" for i in range(count)]
+        self.devs = [f"{tag}v{i}" for i in range(count)]
+        self._ports = [f"{tag}p{i}" for i in range(count)]
+        self.addrs = [f"{subnet}.{i + 1}" for i in range(count)]
+
+    def __enter__(self) -> Hosts:
+        self.remove()
+        try:
+            _ip("netns", "add", self.hub)
+            _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.hub, "link", "set", "br0", "up")
+            for ns, dev, port, addr in zip(self.names, self.devs, self._ports, self.addrs, strict=True):
+                _ip("netns", "add", ns)
+                _ip("link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.hub)
+                _ip("-n", self.hub, "link", "set", port, "master", "br0")
+                _ip("-n", self.hub, "link", "set", port, "up")
+                _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                _ip("-n", ns, "link", "set", dev, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+        except (OSError, subprocess.SubprocessError) as exc:
+            self.remove()
+            detail = getattr(exc, "stderr", "") or exc
+            raise OSError(f"cannot create network namespaces (root and iproute2 needed): {detail}") from None
+        return self
+
+    def exec_prefix(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.names[i]]
+
+    def remove(self) -> None:
+        for ns in (*self.names, self.hub):  # a namespace's end of each pair goes with it, and so the pair
             _ip("netns", "del", ns, check=False)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:

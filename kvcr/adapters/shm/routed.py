@@ -119,9 +119,13 @@ class SameHostFirst:
             info = self._shm.connect(desc.shm, timeout_s)
             plane, column = self._shm, 1
         except PeerUnavailable as exc:
-            log.debug("kvcr: shm refused a peer (%s); reading it over the other plane", exc)
             info = self._fallback.connect(desc.fallback, timeout_s)
             plane, column = self._fallback, 2
+            # Once per peer connect: which plane a peer is read over is an operator's first question.
+            fallback = type(self._fallback).__name__
+            log.info("kvcr: peer %s is read over %s, not shared memory (%s)", info.name, fallback, exc)
+        else:
+            log.info("kvcr: peer %s is read over shared memory (same host)", info.name)
         route = _Route(plane, {row[0]: row[column] for row in desc.ids})
         with self._lock:
             previous = self._routes.get(info.name)

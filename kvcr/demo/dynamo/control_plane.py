@@ -59,6 +59,7 @@ class ControlPlane:
     workdir: Path
     etcd: bool = True
     nats: bool = False
+    host: str = LOOPBACK  # the address both listen on
     start_timeout_s: float = 30.0
     etcd_url: str = field(default="", init=False)
     nats_url: str = field(default="", init=False)
@@ -96,8 +97,8 @@ class ControlPlane:
 
     def _start_etcd(self, client: int | None = None) -> None:
         client, peer = client or free_port_block(), free_port_block()
-        self.etcd_url = f"http://{LOOPBACK}:{client}"
-        peer_url = f"http://{LOOPBACK}:{peer}"
+        self.etcd_url = f"http://{self.host}:{client}"
+        peer_url = f"http://{self.host}:{peer}"
         args = [
             str(binary("etcd")),
             "--name", "kvcr-demo",
@@ -111,23 +112,30 @@ class ControlPlane:
         self._spawn("etcd", args)
         self._wait("etcd", lambda: _etcd_healthy(self.etcd_url))
 
-    def stop_etcd(self) -> None:
-        """Stop etcd now (an outage); ``restart_etcd`` brings it back at the same address, same data."""
-        self._stop("etcd")
-
-    def restart_etcd(self) -> None:
-        if self.etcd_url and "etcd" not in self._children:
-            self._start_etcd(int(self.etcd_url.rsplit(":", 1)[1]))
-
     # ------------------------------------------------------------------ NATS
 
-    def _start_nats(self) -> None:
-        port = free_port_block()
-        self.nats_url = f"nats://{LOOPBACK}:{port}"
+    def _start_nats(self, port: int | None = None) -> None:
+        port = port or free_port_block()
+        self.nats_url = f"nats://{self.host}:{port}"
         # JetStream on: Dynamo's NATS event plane may use streams; its store stays in the workdir.
-        args = [str(binary("nats")), "-a", LOOPBACK, "-p", str(port), "-js", "-sd", str(self.workdir / "nats-data")]
+        args = [str(binary("nats")), "-a", self.host, "-p", str(port), "-js", "-sd", str(self.workdir / "nats-data")]
         self._spawn("nats", args)
-        self._wait("nats", lambda: _nats_greets(LOOPBACK, port))
+        self._wait("nats", lambda: _nats_greets(self.host, port))
+
+    # ------------------------------------------------------------------ outages
+
+    def stop(self, server: str) -> None:
+        """Stop ``etcd`` or ``nats`` now (an outage); ``restart`` brings it back at the same address and data."""
+        self._stop(server)
+
+    def restart(self, server: str) -> None:
+        """Start a stopped server again on its old port (the clients keep their address)."""
+        if server in self._children:
+            return
+        if server == "etcd" and self.etcd_url:
+            self._start_etcd(int(self.etcd_url.rsplit(":", 1)[1]))
+        elif server == "nats" and self.nats_url:
+            self._start_nats(int(self.nats_url.rsplit(":", 1)[1]))
 
     # ------------------------------------------------------------------ processes
 

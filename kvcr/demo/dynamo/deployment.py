@@ -89,6 +89,9 @@ class WorkerSpec:
     transport: str = "auto"
     metrics_port: int | None = None
     extra_args: tuple[str, ...] = ()
+    host: str = LOOPBACK  # the address it advertises (its namespace's, when ``prefix`` moves it to one)
+    prefix: tuple[str, ...] = ()  # a command prefix, e.g. ``ip netns exec <ns>``
+    env: tuple[tuple[str, str], ...] = ()  # extra environment (e.g. UCX_TLS, UCX_NET_DEVICES)
 
 
 @dataclass
@@ -103,14 +106,14 @@ class Worker:
 
     @property
     def control_endpoint(self) -> str:
-        return f"tcp://{LOOPBACK}:{self.control_port}"
+        return f"tcp://{self.spec.host}:{self.control_port}"
 
     @property
     def metrics_url(self) -> str | None:
         """Where the worker serves kvcr's /metrics (None without ``metrics_port``)."""
         if self.spec.metrics_port is None:
             return None
-        return f"http://{LOOPBACK}:{self.spec.metrics_port}/metrics"
+        return f"http://{self.spec.host}:{self.spec.metrics_port}/metrics"
 
 
 @dataclass
@@ -124,6 +127,7 @@ class Deployment:
     http_port: int = 0
     discovery_backend: str = "file"
     event_plane: str = "zmq"
+    host: str = LOOPBACK  # where the frontend, etcd and NATS listen (and what this process dials)
     workers: list[Worker] = field(default_factory=list, init=False)
     control_plane: ControlPlane | None = field(default=None, init=False)
     _frontend: subprocess.Popen[bytes] | None = field(default=None, init=False)
@@ -147,13 +151,15 @@ class Deployment:
         """The etcd / NATS this deployment needs, started on first use (None with neither)."""
         wanted_etcd, wanted_nats = self.discovery_backend == "etcd", self.event_plane == "nats"
         if self.control_plane is None and (wanted_etcd or wanted_nats):
-            self.control_plane = ControlPlane(self.workdir / "control-plane", etcd=wanted_etcd, nats=wanted_nats)
+            self.control_plane = ControlPlane(
+                self.workdir / "control-plane", etcd=wanted_etcd, nats=wanted_nats, host=self.host
+            )
             self.control_plane.start()
         return self.control_plane
 
-    def _env(self, **extra: str) -> dict[str, str]:
+    def _env(self, host: str = "", **extra: str) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({var: LOOPBACK for var in _HOST_VARS})
+        env.update({var: host or self.host for var in _HOST_VARS})
         servers = self._servers()
         if servers is not None:
             env.update(servers.env())
@@ -169,12 +175,14 @@ class Deployment:
         env.update(extra)
         return env
 
-    def _spawn(self, name: str, args: Sequence[str], env: Mapping[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
+    def _spawn(
+        self, name: str, args: Sequence[str], env: Mapping[str, str], prefix: Sequence[str] = ()
+    ) -> tuple[subprocess.Popen[bytes], Path]:
         log = self.workdir / f"{name}.log"
         handle = open(log, "ab")  # noqa: SIM115 (closed in close)
         self._logs.append(handle)
         process = subprocess.Popen(
-            [self.python, *args],
+            [*prefix, self.python, *args],
             stdin=subprocess.DEVNULL,
             stdout=handle,
             stderr=subprocess.STDOUT,
@@ -190,7 +198,7 @@ class Deployment:
             "-m",
             "dynamo.frontend",
             "--http-host",
-            LOOPBACK,
+            self.host,
             "--http-port",
             str(self.http_port),
             "--router-mode",
@@ -202,9 +210,23 @@ class Deployment:
         self._frontend, _ = self._spawn("frontend", args, self._env())
         return self.url
 
+    def restart_frontend(self) -> None:
+        """Stop the frontend (SIGTERM) and start it again on the same port."""
+        self._stop_frontend()
+        self.start_frontend()
+
+    def _stop_frontend(self) -> None:
+        if self._frontend is not None and self._frontend.poll() is None:
+            self._frontend.send_signal(signal.SIGTERM)
+            try:
+                self._frontend.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._frontend.pid, signal.SIGKILL)
+                self._frontend.wait(15)
+
     @property
     def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.http_port}"
+        return f"http://{self.host}:{self.http_port}"
 
     def start_worker(self, spec: WorkerSpec) -> Worker:
         control, events, system = free_port(), free_port(), free_system_port()
@@ -240,11 +262,15 @@ class Deployment:
             str(report),
             "--transport",
             spec.transport,
+            "--host",
+            spec.host,
             *(() if spec.hint_capability else ("--no-hint-capability",)),
             *(() if spec.metrics_port is None else ("--metrics-port", str(spec.metrics_port))),
             *spec.extra_args,
         ]
-        process, log = self._spawn(spec.name, args, self._env(DYN_SYSTEM_PORT=str(system)))
+        env = self._env(spec.host, DYN_SYSTEM_PORT=str(system))
+        env.update(spec.env)
+        process, log = self._spawn(spec.name, args, env, spec.prefix)
         worker = Worker(spec, process, control, system, report, log)
         self.workers.append(worker)
         return worker
@@ -322,13 +348,7 @@ class Deployment:
     def close(self) -> None:
         for worker in self.workers:
             self.stop(worker, timeout_s=15.0)
-        if self._frontend is not None and self._frontend.poll() is None:
-            self._frontend.send_signal(signal.SIGTERM)
-            try:
-                self._frontend.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._frontend.pid, signal.SIGKILL)
-                self._frontend.wait(15)
+        self._stop_frontend()
         for handle in self._logs:
             handle.close()
         self._logs.clear()
@@ -363,7 +383,7 @@ class Deployment:
 
     def control(self, worker: Worker, name: str) -> dict[str, Any]:
         """``POST /engine/control/<name>`` on a worker's system port."""
-        return _request(f"http://{LOOPBACK}:{worker.system_port}/engine/control/{name}", {})
+        return _request(f"http://{worker.spec.host}:{worker.system_port}/engine/control/{name}", {})
 
     def _post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return _request(self.url + path, body)

@@ -112,7 +112,9 @@ def _host_pool(settings: WorkerSettings) -> Any:
 
 def storage_extra_config(settings: WorkerSettings) -> dict[str, Any]:
     """The ``--hicache-storage-backend-extra-config`` that selects kvcr (SGLang's dynamic route)."""
+    token = {} if settings.auth_token_file is None else {"auth_token_file": settings.auth_token_file}
     return {
+        **token,
         "backend_name": "kvcr",
         "module_path": "kvcr.integrations.sglang",
         "class_name": "KvcrHiCacheStorage",

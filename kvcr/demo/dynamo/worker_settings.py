@@ -45,6 +45,7 @@ class WorkerSettings:
     report: str | None = None
     transport: str = "auto"
     metrics_port: int | None = None
+    auth_token_file: str | None = None
 
     @property
     def layers(self) -> int:
@@ -108,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="kvcr's data plane for peer reads (every worker alike)",
     )
+    p.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="the cluster's kvcr token (needed when --host is not loopback; every worker alike)",
+    )
     return p
 
 
@@ -159,6 +165,7 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerSettings:
         endpoint=args.endpoint,
         discovery_backend=args.discovery_backend,
         event_plane=args.event_plane,
+        auth_token_file=args.auth_token_file,
         host=args.host,
         control_port=args.control_port,
         kv_events_port=args.kv_events_port,

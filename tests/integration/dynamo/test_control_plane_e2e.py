@@ -102,7 +102,7 @@ def test_an_etcd_outage_keeps_requests_served_and_hints_resume_after_it(cluster)
     assert d.control_plane is not None
     tokens = prefix(12)
     seed_on(d, w["a"], tokens)
-    d.control_plane.stop_etcd()
+    d.control_plane.stop("etcd")
     stopped = time.monotonic()
     served = []
     try:
@@ -111,7 +111,7 @@ def test_an_etcd_outage_keeps_requests_served_and_hints_resume_after_it(cluster)
             time.sleep(1.0)
     finally:
         outage = time.monotonic() - stopped
-        d.control_plane.restart_etcd()
+        d.control_plane.restart("etcd")
     # Every request was answered while etcd was down, from the prefix's holder's kvcr or its GPU tier.
     assert len(served) == 5 and all(r["computed_pages"] == 0 for r in served), served
     assert all(w_.process.poll() is None for w_ in w.values())
@@ -120,6 +120,33 @@ def test_an_etcd_outage_keeps_requests_served_and_hints_resume_after_it(cluster)
     again = time.monotonic() - back
     print(f"etcd down {outage:.1f} s: {len(served)}/5 requests answered; routable again {again:.1f} s after")
     record = hinted_restore(d, w, 13)
+    assert record["worker"] == "b" and record["hint"] is True and record["peer_pages"] == PREFIX_PAGES
+    assert record["verified"] is True
+
+
+def test_a_nats_outage_keeps_requests_served_and_hints_resume_after_it(cluster):
+    d, w = cluster
+    assert d.control_plane is not None
+    tokens = prefix(8)
+    seed_on(d, w["a"], tokens)
+    d.control_plane.stop("nats")
+    try:
+        served = [d.record_of(d.complete([*tokens, token_id(40 + k)])) for k in range(3)]
+    finally:
+        d.control_plane.restart("nats")
+    assert all(r["computed_pages"] == 0 for r in served), served  # the router's index kept what it had
+    time.sleep(3)  # the publishers reconnect to NATS
+    record = hinted_restore(d, w, 9)
+    assert record["worker"] == "b" and record["hint"] is True and record["peer_pages"] == PREFIX_PAGES
+
+
+def test_a_restarted_frontend_finds_the_workers_in_etcd_and_hints_again(cluster):
+    d, w = cluster
+    restarted = time.monotonic()
+    d.restart_frontend()
+    d.wait_ready(w.values(), timeout_s=90)
+    print(f"frontend restarted: both workers routable {time.monotonic() - restarted:.1f} s later")
+    record = hinted_restore(d, w, 10)
     assert record["worker"] == "b" and record["hint"] is True and record["peer_pages"] == PREFIX_PAGES
     assert record["verified"] is True
 
