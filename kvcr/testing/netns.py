@@ -23,6 +23,18 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True, timeout=30)
 
 
+def _address(ns: str, dev: str, cidr: str) -> None:
+    """Give ``dev`` in ``ns`` its address and bring it and the namespace's loopback up."""
+    _ip("-n", ns, "addr", "add", cidr, "dev", dev)
+    _ip("-n", ns, "link", "set", dev, "up")
+    _ip("-n", ns, "link", "set", "lo", "up")
+
+
+def _not_created(exc: OSError | subprocess.SubprocessError) -> OSError:
+    detail = getattr(exc, "stderr", "") or exc
+    return OSError(f"cannot create network namespaces (root and iproute2 needed): {detail}")
+
+
 class TwoHosts:
     """Namespaces ``a`` and ``b``; ``a`` holds ``dev_a`` with ``addr_a``, ``b`` holds ``dev_b`` with ``addr_b``.
 
@@ -43,13 +55,10 @@ class TwoHosts:
             _ip("netns", "add", self.b)
             _ip("link", "add", self.dev_a, "netns", self.a, "type", "veth", "peer", "name", self.dev_b, "netns", self.b)
             for ns, dev, addr in ((self.a, self.dev_a, self.addr_a), (self.b, self.dev_b, self.addr_b)):
-                _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
-                _ip("-n", ns, "link", "set", dev, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
+                _address(ns, dev, f"{addr}/30")
         except (OSError, subprocess.SubprocessError) as exc:
             self.remove()
-            detail = getattr(exc, "stderr", "") or exc
-            raise OSError(f"cannot create network namespaces (root and iproute2 needed): {detail}") from None
+            raise _not_created(exc) from None
         return self
 
     def link(self, up: bool) -> None:
@@ -98,13 +107,10 @@ class Hosts:
                 _ip("link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.hub)
                 _ip("-n", self.hub, "link", "set", port, "master", "br0")
                 _ip("-n", self.hub, "link", "set", port, "up")
-                _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-                _ip("-n", ns, "link", "set", dev, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
+                _address(ns, dev, f"{addr}/24")
         except (OSError, subprocess.SubprocessError) as exc:
             self.remove()
-            detail = getattr(exc, "stderr", "") or exc
-            raise OSError(f"cannot create network namespaces (root and iproute2 needed): {detail}") from None
+            raise _not_created(exc) from None
         return self
 
     def exec_prefix(self, i: int) -> list[str]:
