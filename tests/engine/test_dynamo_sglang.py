@@ -10,7 +10,10 @@ How a prefix reaches B honestly: its first request is pinned to A (``nvext.backe
 no router selection, so no hint); then requests that share it and add long suffixes of their own
 are routed by the router's cost model alone. Once A carries their load, one is booked on B, which
 never saw the prefix, with the router's hint naming A; B's prefill then reports the prefix as
-cached (SGLang's ``#cached-token``), which only a restore from A's kvcr DRAM can give it.
+cached (SGLang's ``#cached-token``), which only a restore from A's kvcr DRAM can give it. The
+workers run with ``--enable-metrics``, so kvcr's counters are on each worker's own ``/metrics``
+(``DYN_SYSTEM_PORT``): B's ``remote_restore`` pages and A's ``served`` pages say where the prefix
+came from, and every hinted answer must equal the answer A computes for the same request.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def worker_args(model: Path, control_port: int) -> list[str]:
         "--page-size", str(PAGE_SIZE), "--max-total-tokens", "4096",
         "--enable-hierarchical-cache", "--hicache-write-policy", "write_through",
         "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra),
-        "--discovery-backend", "file",
+        "--discovery-backend", "file", "--enable-metrics",
         # SGLang's KV events: the router's event-driven indexer, without which it attaches no hints
         "--kv-events-config", json.dumps({"publisher": "zmq", "topic": "kv-events", "endpoint": f"tcp://*:{free_port()}"}),
     ]  # fmt: skip
@@ -139,6 +142,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
     http_port = free_port()
     nodes: list[Node] = []
     controls = {"a": free_port(), "b": free_port()}
+    systems = {"a": free_system_port(), "b": free_system_port()}
     try:
         path = os.pathsep.join([str(SHIMS), str(REPO), str(STUBS)])
         for name, control in controls.items():
@@ -147,7 +151,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
                 PYTHONPATH=path,
                 SGLANG_USE_CPU_ENGINE="1",
                 KVCR_ENGINE_CPU_OP_PLACEHOLDERS="1",
-                DYN_SYSTEM_PORT=str(free_system_port()),
+                DYN_SYSTEM_PORT=str(systems[name]),
             )
             nodes.append(Node(name, worker_args(model, control), env, workdir))
         frontend_args = ["-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(http_port)]
@@ -170,7 +174,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
             if time.monotonic() > deadline:
                 pytest.fail(f"the frontend never listed the model:\n{nodes[-1].text()[-3000:]}")
             time.sleep(0.5)
-        yield {"url": url, "discovery": discovery, "controls": controls, "nodes": {n.name: n for n in nodes}}
+        yield {
+            "url": url,
+            "discovery": discovery,
+            "controls": controls,
+            "metrics": {name: f"http://{LOOPBACK}:{port}/metrics" for name, port in systems.items()},
+            "nodes": {n.name: n for n in nodes},
+        }
     finally:
         for node in nodes:
             node.stop()
@@ -184,7 +194,9 @@ def test_each_workers_registration_carries_kvcrs_hint_capability(deployment):
         assert data["router_hint"] is True
         assert data["router_hint_worker_type"] == "aggregated"
     for name in ("a", "b"):
-        assert "hint capability and kv_hints forwarding hooked" in deployment["nodes"][name].text()
+        log = deployment["nodes"][name].text()
+        assert "hint capability, kv_hints forwarding and metrics hooked" in log
+        assert "setup_prometheus_registry" in log
 
 
 def test_requests_through_the_frontend_are_served_with_the_hooks_installed(deployment):
@@ -199,6 +211,25 @@ def cached_tokens(node: Node) -> list[int]:
     return [int(n) for n in re.findall(r"#cached-token: (\d+)", node.text())]
 
 
+def kvcr_pages(metrics_url: str, path: str) -> int:
+    """``kvcr_pages_total{path=..., outcome="ok"}`` on a worker's own /metrics (Dynamo's system port)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("kvcr_pages_total{") and f'path="{path}"' in line and 'outcome="ok"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
+def test_kvcrs_counters_are_on_each_workers_metrics(deployment):
+    for url in deployment["metrics"].values():
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        assert "sglang:" in text and "kvcr_build_info{" in text and "kvcr_pages_total" in text, text[-2000:]
+    assert kvcr_pages(deployment["metrics"]["a"], "backup") + kvcr_pages(deployment["metrics"]["b"], "backup") > 0
+
+
 def test_a_hinted_request_restores_the_prefix_from_the_peer(deployment):
     url, published = deployment["url"], registrations(deployment["discovery"])
     by_port = {d["router_hint_source_control_endpoints"]["0"]: i for i, d in published.items()}
@@ -210,14 +241,20 @@ def test_a_hinted_request_restores_the_prefix_from_the_peer(deployment):
         {"model": "tiny", "prompt": prompt, "max_tokens": 2, "nvext": {"backend_instance_id": a_id}},
     )
     seen_by_b = len(cached_tokens(b))
+    metrics = deployment["metrics"]
+    remote_before, served_before = kvcr_pages(metrics["b"], "remote_restore"), kvcr_pages(metrics["a"], "served")
     time.sleep(1)  # A's KV events reach the router
     # The router sends a request to B (with a hint to A) once A looks busy enough; how many requests
     # that takes depends on the machine's load, so keep A busy until B has taken one (at most 10).
-    threads = []
+    threads, bodies, answers = [], [], {}
+
+    def ask(k: int) -> None:
+        answers[k] = http(f"{url}/v1/completions", bodies[k])["choices"][0]["text"]
+
     for k in range(10):
         suffix = " ".join(word(t - token_id(0)) for t in prompt_ids(300, seed=100 + k))
-        body = {"model": "tiny", "prompt": f"{prompt} {suffix}", "max_tokens": 40}
-        thread = threading.Thread(target=http, args=(f"{url}/v1/completions", body), daemon=True)
+        bodies.append({"model": "tiny", "prompt": f"{prompt} {suffix}", "max_tokens": 40, "temperature": 0})
+        thread = threading.Thread(target=ask, args=(k,), daemon=True)
         thread.start()
         threads.append(thread)
         time.sleep(0.4)
@@ -228,3 +265,13 @@ def test_a_hinted_request_restores_the_prefix_from_the_peer(deployment):
     on_b = cached_tokens(b)[seen_by_b:]
     assert on_b, f"the router never booked B:\n{a.text()[-1500:]}"
     assert max(on_b) >= PROMPT_TOKENS - PAGE_SIZE, b.text()[-3000:]  # B never computed the prefix
+    remote = kvcr_pages(metrics["b"], "remote_restore") - remote_before
+    assert remote >= (PROMPT_TOKENS - PAGE_SIZE) // PAGE_SIZE  # the prefix's pages, read from A's kvcr DRAM
+    assert kvcr_pages(metrics["a"], "served") - served_before >= remote
+    # Every answer, B's from restored pages among them, equals A's for the same request
+    assert len(answers) == len(bodies)
+    for k, body in enumerate(bodies):
+        pinned = {**body, "nvext": {"backend_instance_id": a_id}}
+        again = http(f"{url}/v1/completions", pinned)["choices"][0]["text"]
+        assert answers[k] == again, f"request {k}: {answers[k]!r} != A's {again!r}"
+    print(f"B cached {max(on_b)} tokens; {remote} pages from A's kvcr DRAM; {len(bodies)} answers equal A's")

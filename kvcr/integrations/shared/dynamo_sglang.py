@@ -21,6 +21,12 @@ process that did not), :func:`install` adds two things in memory, never on disk:
   holds for the handler's ``config.server_args``, so the router's ``kv_hint`` reaches SGLang as
   ``async_generate(kv_hints=...)``. The class is patched, not the name, so Dynamo's modules that
   imported the class before the engine was built construct the patched one.
+- around ``dynamo.sglang.publisher.setup_prometheus_registry(engine, generate_endpoint, config)``
+  (called by ``setup_sgl_metrics`` when the worker runs with ``--enable-metrics``): Dynamo's
+  callback passes only ``sglang:`` series from SGLang's multiprocess files to the worker's
+  ``/metrics`` (``DYN_SYSTEM_PORT``), and kvcr's series live in those same files, written by the
+  scheduler processes. When kvcr is the engine's L3 (hints or not), one more callback on the same
+  endpoint and registry passes the ``kvcr_`` series, with the labels Dynamo adds to SGLang's.
 
 Each hook first checks that what it wraps exists with the signature it expects; if not it logs
 one line and leaves that part of Dynamo as it is. Calling :func:`install` twice does nothing more.
@@ -47,6 +53,9 @@ log = logging.getLogger(__name__)
 
 HOST_PACKAGE = "dynamo.sglang"
 REGISTER = "dynamo.sglang.register"
+PUBLISHER = "dynamo.sglang.publisher"
+PROMETHEUS = "dynamo.common.utils.prometheus"
+METRIC_PREFIX = "kvcr_"
 HANDLERS = (
     ("dynamo.sglang.request_handlers.llm.decode_handler", "DecodeWorkerHandler"),
     ("dynamo.sglang.request_handlers.llm.prefill_handler", "PrefillWorkerHandler"),
@@ -73,6 +82,13 @@ def install() -> list[str]:
     else:
         if _hook_runtime_config(register):
             hooked.append(f"{REGISTER}.get_runtime_config")
+    try:
+        publisher = importlib.import_module(PUBLISHER)
+    except Exception as exc:
+        log.warning("kvcr: %s does not import (%s); kvcr's series stay off the worker's /metrics", PUBLISHER, exc)
+    else:
+        if _hook_metrics_registry(publisher):
+            hooked.append(f"{PUBLISHER}.setup_prometheus_registry")
     for module_name, class_name in HANDLERS:
         try:
             cls = getattr(importlib.import_module(module_name), class_name, None)
@@ -82,15 +98,17 @@ def install() -> list[str]:
         if _hook_handler(cls, f"{module_name}.{class_name}"):
             hooked.append(f"{module_name}.{class_name}")
     if hooked:
-        log.info("kvcr: dynamo.sglang host: hint capability and kv_hints forwarding hooked on %s", ", ".join(hooked))
+        log.info(
+            "kvcr: dynamo.sglang host: hint capability, kv_hints forwarding and metrics hooked on %s", ", ".join(hooked)
+        )
     return hooked
 
 
 # ---------------------------------------------------------------------- what kvcr is configured as
 
 
-def hint_settings(server_args: Any) -> KvcrSettings | None:
-    """kvcr's settings when the engine's HiCache L3 is kvcr with ``enable_remote_hint``, else None.
+def kvcr_settings(server_args: Any) -> KvcrSettings | None:
+    """kvcr's settings when the engine's HiCache L3 is kvcr, else None.
 
     kvcr is the backend when ``--hicache-storage-backend dynamic`` names kvcr's module (or
     ``backend_name`` ``kvcr``), or the backend itself is called ``kvcr`` (a SGLang that registers
@@ -106,8 +124,13 @@ def hint_settings(server_args: Any) -> KvcrSettings | None:
             return None
     elif backend != "kvcr":
         return None
-    settings = parse_settings(extra)
-    return settings if settings.enable_remote_hint else None
+    return parse_settings(extra)
+
+
+def hint_settings(server_args: Any) -> KvcrSettings | None:
+    """kvcr's settings when the engine's HiCache L3 is kvcr with ``enable_remote_hint``, else None."""
+    settings = kvcr_settings(server_args)
+    return settings if settings is not None and settings.enable_remote_hint else None
 
 
 def extra_config(raw: Any) -> dict[str, Any]:
@@ -197,6 +220,50 @@ def _hook_runtime_config(register: Any) -> bool:
     setattr(get_runtime_config, _INSTALLED, True)
     register.get_runtime_config = get_runtime_config
     return True
+
+
+def _hook_metrics_registry(publisher: Any) -> bool:
+    original = getattr(publisher, "setup_prometheus_registry", None)
+    if getattr(original, _INSTALLED, False):
+        return True
+    if original is None or not _leading_params(original, "engine", "generate_endpoint", "config"):
+        log.warning(
+            "kvcr: %s.setup_prometheus_registry is not the (engine, generate_endpoint, config) it expects; "
+            "kvcr's series stay off the worker's /metrics",
+            PUBLISHER,
+        )
+        return False
+
+    @functools.wraps(original)
+    def setup_prometheus_registry(engine: Any, generate_endpoint: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+        registry = original(engine, generate_endpoint, config, *args, **kwargs)
+        if registry is not None and kvcr_settings(getattr(engine, "server_args", None)) is not None:
+            expose_kvcr_series(registry, generate_endpoint, config, engine.server_args)
+        return registry
+
+    setattr(setup_prometheus_registry, _INSTALLED, True)
+    publisher.setup_prometheus_registry = setup_prometheus_registry
+    return True
+
+
+def expose_kvcr_series(registry: Any, endpoint: Any, config: Any, server_args: Any) -> None:
+    """Pass the registry's ``kvcr_`` series to the worker's ``/metrics``, labelled like SGLang's."""
+    try:
+        register = importlib.import_module(PROMETHEUS).register_engine_metrics_callback
+    except (ImportError, AttributeError) as exc:
+        log.warning("kvcr: %s has no register_engine_metrics_callback (%s); kvcr's series stay off", PROMETHEUS, exc)
+        return
+    dynamo_args = getattr(config, "dynamo_args", None)
+    register(
+        endpoint=endpoint,
+        registry=registry,
+        metric_prefix_filters=[METRIC_PREFIX],
+        namespace_name=getattr(dynamo_args, "namespace", None),
+        component_name=getattr(dynamo_args, "component", None),
+        endpoint_name=getattr(dynamo_args, "endpoint", None),
+        model_name=getattr(server_args, "served_model_name", None),
+    )
+    log.info("kvcr: kvcr's series are on the worker's /metrics")
 
 
 def _hook_handler(cls: Any, name: str) -> bool:

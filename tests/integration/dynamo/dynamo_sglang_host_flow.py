@@ -5,7 +5,10 @@ request handlers), then calls SGLang's own ``load_plugins()``, which ``sgl.Engin
 in that process and which runs kvcr's plugin from its installed entry point. Then it calls Dynamo's
 real ``register.get_runtime_config`` the way ``_register_model_with_runtime_config`` does (by the
 module global) and constructs Dynamo's real handlers, with stand-ins only for the SGLang engine
-(no scheduler here) and for the server arguments (the fields Dynamo and kvcr read). Prints
+(no scheduler here) and for the server arguments (the fields Dynamo and kvcr read). Then it calls
+Dynamo's real ``publisher.setup_prometheus_registry`` (what ``--enable-metrics`` runs) over this
+process's prometheus_client multiprocess files, which hold one ``sglang:`` and one ``kvcr_`` series
+as a scheduler would write them, and renders what each registered ``/metrics`` callback passes. Prints
 ``RESULT <json>``. Run with ``python -m tests.integration.dynamo.dynamo_sglang_host_flow [--no-plugin]``.
 """
 
@@ -13,14 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
+import tempfile
 from types import SimpleNamespace
 from typing import Any, cast
+
+# prometheus_client picks multiprocess mode when it is first imported, as in SGLang with --enable-metrics
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvcr-flow-metrics-")
 
 from kvcr.testing.sglang import prepare_environment
 
 prepare_environment()  # the torchvision stub SGLang's model configs import on a CPU-only machine
 
+import dynamo.sglang.publisher as publisher  # noqa: E402
 import dynamo.sglang.register as register  # noqa: E402
 from dynamo._core import Context  # noqa: E402
 from dynamo.sglang.args import Config, DynamoConfig  # noqa: E402
@@ -166,6 +175,34 @@ def served_hints(args: SimpleNamespace) -> list[Any]:
     return engine.tokenizer_manager.kv_hints
 
 
+class RecordingEndpoint:
+    """Stands for Dynamo's generate endpoint: keeps the /metrics callbacks the worker registers."""
+
+    def __init__(self) -> None:
+        self.expfmt: list[Any] = []
+        self.metrics = SimpleNamespace(
+            register_prometheus_expfmt_callback=self.expfmt.append,
+            register_prometheus_typed_callback=lambda callback: None,
+        )
+
+    def connection_id(self) -> int:
+        return 0xABC
+
+
+def worker_metrics(args: SimpleNamespace) -> list[str]:
+    """The text each /metrics callback passes after Dynamo's setup_prometheus_registry."""
+    from prometheus_client import Counter
+
+    Counter("sglang:prompt_tokens", "as SGLang's scheduler writes it").inc(3)
+    Counter("kvcr_pages_total", "as kvcr's backend writes it", ["path", "outcome"]).labels("backup", "ok").inc(5)
+    endpoint = RecordingEndpoint()
+    engine = SimpleNamespace(server_args=args)
+    names = SimpleNamespace(namespace="ns", component="backend", endpoint="generate")
+    config = cast(Config, SimpleNamespace(dynamo_args=names))
+    publisher.setup_prometheus_registry(cast(Any, engine), cast(Any, endpoint), config)
+    return [callback() for callback in endpoint.expfmt]
+
+
 def main() -> None:
     if "--no-plugin" not in sys.argv:
         from sglang.srt.plugins import load_plugins
@@ -187,6 +224,8 @@ def main() -> None:
         "capability_no_hicache": capability(server_args(enable_hierarchical_cache=False)),
         "served": served_hints(server_args()),
         "served_hints_off": served_hints(server_args(hicache_storage_backend_extra_config=json.dumps(off))),
+        "metrics_hooked": getattr(publisher.setup_prometheus_registry, "_kvcr_hint_hook", False),
+        "metrics": worker_metrics(server_args(hicache_storage_backend_extra_config=json.dumps(off))),
     }
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -97,6 +97,21 @@ def test_stock_dynamo_without_the_plugin_publishes_and_forwards_nothing():
     assert stock["hooked"] is False
     assert stock["capability"] == {}
     assert stock["served"] == [None]
+    assert stock["metrics_hooked"] is False
+    assert not any("kvcr_" in text for text in stock["metrics"])  # Dynamo passes only sglang: series
+
+
+@pytest.mark.sglang
+@pytest.mark.multiprocess
+def test_kvcrs_series_reach_the_workers_metrics_with_dynamos_labels(with_plugin):
+    assert with_plugin["metrics_hooked"] is True
+    texts = with_plugin["metrics"]
+    assert any("sglang:prompt_tokens" in text for text in texts)  # Dynamo's own callback, as before
+    kvcr = [line for text in texts for line in text.splitlines() if line.startswith("kvcr_pages_total{")]
+    assert len(kvcr) == 1, texts  # once (not also through SGLang's callback), hints off or not
+    for label in ('path="backup"', 'outcome="ok"', 'dynamo_component="backend"', 'worker_id="abc"', 'model="tiny"'):
+        assert label in kvcr[0]
+    assert kvcr[0].endswith(" 5.0")
 
 
 # ---------------------------------------------------------------------- in-process: the hook's own rules
