@@ -392,8 +392,11 @@ def _demo(args: argparse.Namespace) -> int:
         from kvcr.demo import run_local_demo
 
         return run_local_demo(verbose=not args.quiet)
+    if args.engine == "sglang":
+        return _engine_demo(args)
     from kvcr.demo import DemoOptions, run_cluster_demo
 
+    args.turns = 4 if args.turns is None else args.turns
     for option, value, low in (
         ("--workers", args.workers, 2),
         ("--turns", args.turns, 1),
@@ -426,6 +429,41 @@ def _demo(args: argparse.Namespace) -> int:
     return run_cluster_demo(options)
 
 
+def _engine_demo(args: argparse.Namespace) -> int:
+    """``kvcr demo --engine sglang``: real dynamo.sglang workers (the stand-in demo's own options refused)."""
+    from kvcr.demo.engines import EngineDemoOptions, run_engine_demo
+
+    others = [
+        option
+        for option, given in (
+            ("--page-kib", args.page_kib != 64),
+            ("--plot", args.plot is not None),
+            ("--transport", args.transport != "auto"),
+            ("--metrics-port", args.metrics_port is not None),
+            ("--discovery", args.discovery != "file"),
+            ("--event-plane", args.event_plane != "zmq"),
+        )
+        if given
+    ]
+    if others:
+        raise SystemExit(
+            f"kvcr demo --engine sglang: {', '.join(others)}: an option of the stand-in workers only (the SGLang "
+            "workers run NIXL, file discovery and the zmq event plane, and serve /metrics on their system port)"
+        )
+    turns = 3 if args.turns is None else args.turns
+    for option, value, low in (("--workers", args.workers, 2), ("--turns", turns, 1)):
+        if value < low:
+            raise SystemExit(f"kvcr demo: {option} must be at least {low}, got {value}")
+    options = EngineDemoOptions(
+        workers=args.workers,
+        conversations=args.conversations or 2 * args.workers,
+        turns=turns,
+        workdir=args.workdir,
+        quiet=args.quiet,
+    )
+    return run_engine_demo(options)
+
+
 def _worker(argv: Sequence[str]) -> int:
     from kvcr.demo.dynamo.worker import main as worker_main
 
@@ -449,8 +487,14 @@ def build_parser() -> argparse.ArgumentParser:
         return made
 
     demo = command(commands, "demo", "Dynamo's frontend and KV router in front of kvcr workers, a multi-turn workload")
-    demo.add_argument("--workers", type=int, default=2, help="kvcr workers behind the router (at least 2)")
-    demo.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    demo.add_argument("--workers", type=int, default=2, help="workers behind the router (at least 2)")
+    demo.add_argument(
+        "--engine",
+        choices=("stand-in", "sglang"),
+        default="stand-in",
+        help="the workers: kvcr's stand-in-model worker, or Dynamo's own dynamo.sglang on real SGLang engines (CPU)",
+    )
+    demo.add_argument("--turns", type=int, default=None, help="turns per conversation (default: 4; 3 with sglang)")
     demo.add_argument("--conversations", type=int, default=None, help="conversations (default: 2 per worker)")
     demo.add_argument("--page-kib", type=int, default=64, help="KV bytes per 16-token page, in KiB")
     demo.add_argument("--plot", default=None, metavar="FILE.png", help="also plot each request's pages and latency")

@@ -184,6 +184,7 @@ class EngineServer:
     extra_args: Sequence[str] = ()
     port: int = 0
     control_port: int = 0
+    reuse: bool = True  # False: no HiCache, no kvcr, no radix cache (the answers computed without reuse)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -197,6 +198,12 @@ class EngineServer:
 
     def command(self) -> list[str]:
         extra = kvcr_extra_config(self.control_port, **self.kvcr_settings)
+        cache = (
+            "--enable-hierarchical-cache",
+            "--hicache-write-policy", "write_through",
+            "--hicache-storage-backend", "dynamic",
+            "--hicache-storage-backend-extra-config", json.dumps(extra),
+        ) if self.reuse else ("--disable-radix-cache",)  # fmt: skip
         return [
             sys.executable, "-m", "sglang.launch_server",
             "--model-path", str(self.model),
@@ -204,10 +211,7 @@ class EngineServer:
             *CPU_FLAGS,
             "--page-size", str(PAGE_SIZE),
             "--max-total-tokens", str(self.max_total_tokens),
-            "--enable-hierarchical-cache",
-            "--hicache-write-policy", "write_through",
-            "--hicache-storage-backend", "dynamic",
-            "--hicache-storage-backend-extra-config", json.dumps(extra),
+            *cache,
             "--enable-metrics",
             *self.extra_args,
         ]  # fmt: skip
@@ -313,12 +317,14 @@ class EngineServer:
         max_new_tokens: int = 8,
         kv_hints: Any = None,
         timeout_s: float = 60.0,
+        ignore_eos: bool = True,
+        logprobs: bool = True,
     ) -> dict[str, Any]:
-        """Greedy ``/generate`` with logprobs; returns SGLang's answer (``output_ids``, ``meta_info``)."""
+        """Greedy ``/generate`` (logprobs unless told not); SGLang's answer (``text``, ``output_ids``, ...)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-            "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos},
+            "return_logprob": logprobs,
         }
         if kv_hints is not None:
             body["kv_hints"] = kv_hints

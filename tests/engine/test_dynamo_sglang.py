@@ -13,17 +13,14 @@ never saw the prefix, with the router's hint naming A; B's prefill then reports 
 cached (SGLang's ``#cached-token``), which only a restore from A's kvcr DRAM can give it. The
 workers run with ``--enable-metrics``, so kvcr's counters are on each worker's own ``/metrics``
 (``DYN_SYSTEM_PORT``): B's ``remote_restore`` pages and A's ``served`` pages say where the prefix
-came from, and every hinted answer must equal the answer A computes for the same request.
+came from, and every hinted answer must equal the answer A computes for the same request. The
+workers start through ``kvcr.demo.dynamo.sglang_workers``, as in ``kvcr demo --engine sglang``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -34,80 +31,19 @@ from typing import Any
 
 import pytest
 
-from kvcr.demo.dynamo.deployment import _HOST_VARS, LOOPBACK, free_port, free_system_port
-from kvcr.testing.engine import (
-    PAGE_SIZE,
-    REPO,
-    SHIMS,
-    STUBS,
-    kvcr_extra_config,
-    prompt_ids,
-    token_id,
-    word,
-    write_model,
+from kvcr.demo.dynamo.deployment import Deployment
+from kvcr.demo.dynamo.sglang_workers import (
+    SERVED_MODEL,
+    SglangWorker,
+    SglangWorkerSpec,
+    start_sglang_worker,
+    wait_sglang_ready,
 )
+from kvcr.testing.engine import PAGE_SIZE, prompt_ids, token_id, word, write_model
 
 pytestmark = [pytest.mark.timeout(240)]
 
 PROMPT_TOKENS = 512
-
-
-class Node:
-    def __init__(self, name: str, args: list[str], env: dict[str, str], workdir: Path) -> None:
-        self.name, self.log = name, workdir / f"{name}.log"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.alive():
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-
-
-def environment(discovery: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({var: LOOPBACK for var in _HOST_VARS})
-    for var, sub in (("SGLANG_CACHE_DIR", "sglang"), ("TORCH_EXTENSIONS_DIR", "torch_extensions")):
-        env.setdefault(var, str(REPO / ".cache" / sub))
-    env.update(
-        DYN_DISCOVERY_BACKEND="file",
-        DYN_FILE_KV=str(discovery),
-        DYN_LOG="info",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        PYTHONUNBUFFERED="1",
-        UCX_NET_DEVICES=env.get("UCX_NET_DEVICES", "lo"),
-        **extra,
-    )
-    return env
-
-
-def worker_args(model: Path, control_port: int) -> list[str]:
-    extra = kvcr_extra_config(control_port, enable_remote_hint=True, operation_timeout_ms=2000)
-    return [
-        "-m", "dynamo.sglang",
-        "--model-path", str(model), "--served-model-name", "tiny",
-        "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-        "--hicache-io-backend", "direct", "--hicache-mem-layout", "page_first_direct", "--skip-server-warmup",
-        "--page-size", str(PAGE_SIZE), "--max-total-tokens", "4096",
-        "--enable-hierarchical-cache", "--hicache-write-policy", "write_through",
-        "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra),
-        "--discovery-backend", "file", "--enable-metrics",
-        # SGLang's KV events: the router's event-driven indexer, without which it attaches no hints
-        "--kv-events-config", json.dumps({"publisher": "zmq", "topic": "kv-events", "endpoint": f"tcp://*:{free_port()}"}),
-    ]  # fmt: skip
 
 
 def http(url: str, body: Any = None, timeout_s: float = 60.0) -> Any:
@@ -137,64 +73,29 @@ def registrations(discovery: Path) -> dict[int, dict[str, Any]]:
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     workdir = tmp_path_factory.mktemp("dynamo-sglang")
     model = write_model(workdir / "model")
-    discovery = workdir / "discovery"
-    discovery.mkdir()
-    http_port = free_port()
-    nodes: list[Node] = []
-    controls = {"a": free_port(), "b": free_port()}
-    systems = {"a": free_system_port(), "b": free_system_port()}
-    try:
-        path = os.pathsep.join([str(SHIMS), str(REPO), str(STUBS)])
-        for name, control in controls.items():
-            env = environment(
-                discovery,
-                PYTHONPATH=path,
-                SGLANG_USE_CPU_ENGINE="1",
-                KVCR_ENGINE_CPU_OP_PLACEHOLDERS="1",
-                DYN_SYSTEM_PORT=str(systems[name]),
-            )
-            nodes.append(Node(name, worker_args(model, control), env, workdir))
-        frontend_args = ["-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(http_port)]
-        frontend_args += ["--router-mode", "kv", "--discovery-backend", "file"]
-        nodes.append(Node("frontend", frontend_args, environment(discovery, PYTHONPATH=str(REPO)), workdir))
-        deadline = time.monotonic() + 200
-        while len(registrations(discovery)) < 2:
-            dead = [n for n in nodes if not n.alive()]
-            if dead or time.monotonic() > deadline:
-                culprit = dead[0] if dead else nodes[0]
-                pytest.fail(f"{culprit.name} did not come up:\n{culprit.text()[-4000:]}")
-            time.sleep(1)
-        url = f"http://{LOOPBACK}:{http_port}"
-        while True:
-            try:
-                if any(m.get("id") == "tiny" for m in http(f"{url}/v1/models", timeout_s=5)["data"]):
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the frontend never listed the model:\n{nodes[-1].text()[-3000:]}")
-            time.sleep(0.5)
-        yield {
-            "url": url,
-            "discovery": discovery,
-            "controls": controls,
-            "metrics": {name: f"http://{LOOPBACK}:{port}/metrics" for name, port in systems.items()},
-            "nodes": {n.name: n for n in nodes},
-        }
-    finally:
-        for node in nodes:
-            node.stop()
+    workers: dict[str, SglangWorker] = {}
+    with Deployment(workdir / "deployment", served_model=SERVED_MODEL) as d:
+        try:
+            d.start_frontend()
+            for name in ("a", "b"):
+                workers[name] = start_sglang_worker(d, model, SglangWorkerSpec(name))
+            wait_sglang_ready(d, workers.values(), timeout_s=200)
+            assert len(registrations(d.discovery)) == 2
+            yield {"url": d.url, "discovery": d.discovery, "workers": workers}
+        finally:
+            for worker in workers.values():
+                worker.stop()
 
 
 def test_each_workers_registration_carries_kvcrs_hint_capability(deployment):
     published = registrations(deployment["discovery"])
     endpoints = sorted(d["router_hint_source_control_endpoints"]["0"] for d in published.values())
-    assert endpoints == sorted(f"tcp://127.0.0.1:{port}" for port in deployment["controls"].values())
+    assert endpoints == sorted(w.control_endpoint for w in deployment["workers"].values())
     for data in published.values():
         assert data["router_hint"] is True
         assert data["router_hint_worker_type"] == "aggregated"
     for name in ("a", "b"):
-        log = deployment["nodes"][name].text()
+        log = deployment["workers"][name].text()
         assert "hint capability, kv_hints forwarding and metrics hooked" in log
         assert "setup_prometheus_registry" in log
 
@@ -202,47 +103,35 @@ def test_each_workers_registration_carries_kvcrs_hint_capability(deployment):
 def test_requests_through_the_frontend_are_served_with_the_hooks_installed(deployment):
     prompt = " ".join(word(t - token_id(0)) for t in prompt_ids(PROMPT_TOKENS, seed=7))
     for _ in range(2):
-        answer = http(f"{deployment['url']}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2})
+        answer = http(f"{deployment['url']}/v1/completions", {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 2})
         assert answer["choices"][0]["finish_reason"] == "length"
 
 
-def cached_tokens(node: Node) -> list[int]:
+def cached_tokens(worker: SglangWorker) -> list[int]:
     """SGLang's ``#cached-token`` of each prefill batch in a worker's log."""
-    return [int(n) for n in re.findall(r"#cached-token: (\d+)", node.text())]
-
-
-def kvcr_pages(metrics_url: str, path: str) -> int:
-    """``kvcr_pages_total{path=..., outcome="ok"}`` on a worker's own /metrics (Dynamo's system port)."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("kvcr_pages_total{") and f'path="{path}"' in line and 'outcome="ok"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return int(total)
+    return [int(n) for n in re.findall(r"#cached-token: (\d+)", worker.text())]
 
 
 def test_kvcrs_counters_are_on_each_workers_metrics(deployment):
-    for url in deployment["metrics"].values():
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
+    workers = deployment["workers"]
+    for worker in workers.values():
+        text = worker.metrics_text()
         assert "sglang:" in text and "kvcr_build_info{" in text and "kvcr_pages_total" in text, text[-2000:]
-    assert kvcr_pages(deployment["metrics"]["a"], "backup") + kvcr_pages(deployment["metrics"]["b"], "backup") > 0
+    assert sum(worker.kvcr_pages("backup") for worker in workers.values()) > 0
 
 
 def test_a_hinted_request_restores_the_prefix_from_the_peer(deployment):
     url, published = deployment["url"], registrations(deployment["discovery"])
     by_port = {d["router_hint_source_control_endpoints"]["0"]: i for i, d in published.items()}
-    a_id = by_port[f"tcp://127.0.0.1:{deployment['controls']['a']}"]
-    a, b = deployment["nodes"]["a"], deployment["nodes"]["b"]
+    a, b = deployment["workers"]["a"], deployment["workers"]["b"]
+    a_id = by_port[a.control_endpoint]
     prompt = " ".join(word(t - token_id(0)) for t in prompt_ids(PROMPT_TOKENS, seed=9))
     http(
         f"{url}/v1/completions",
-        {"model": "tiny", "prompt": prompt, "max_tokens": 2, "nvext": {"backend_instance_id": a_id}},
+        {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 2, "nvext": {"backend_instance_id": a_id}},
     )
     seen_by_b = len(cached_tokens(b))
-    metrics = deployment["metrics"]
-    remote_before, served_before = kvcr_pages(metrics["b"], "remote_restore"), kvcr_pages(metrics["a"], "served")
+    remote_before, served_before = b.kvcr_pages("remote_restore"), a.kvcr_pages("served")
     time.sleep(1)  # A's KV events reach the router
     # The router sends a request to B (with a hint to A) once A looks busy enough; how many requests
     # that takes depends on the machine's load, so keep A busy until B has taken one (at most 10).
@@ -253,7 +142,7 @@ def test_a_hinted_request_restores_the_prefix_from_the_peer(deployment):
 
     for k in range(10):
         suffix = " ".join(word(t - token_id(0)) for t in prompt_ids(300, seed=100 + k))
-        bodies.append({"model": "tiny", "prompt": f"{prompt} {suffix}", "max_tokens": 40, "temperature": 0})
+        bodies.append({"model": SERVED_MODEL, "prompt": f"{prompt} {suffix}", "max_tokens": 40, "temperature": 0})
         thread = threading.Thread(target=ask, args=(k,), daemon=True)
         thread.start()
         threads.append(thread)
@@ -265,9 +154,9 @@ def test_a_hinted_request_restores_the_prefix_from_the_peer(deployment):
     on_b = cached_tokens(b)[seen_by_b:]
     assert on_b, f"the router never booked B:\n{a.text()[-1500:]}"
     assert max(on_b) >= PROMPT_TOKENS - PAGE_SIZE, b.text()[-3000:]  # B never computed the prefix
-    remote = kvcr_pages(metrics["b"], "remote_restore") - remote_before
+    remote = b.kvcr_pages("remote_restore") - remote_before
     assert remote >= (PROMPT_TOKENS - PAGE_SIZE) // PAGE_SIZE  # the prefix's pages, read from A's kvcr DRAM
-    assert kvcr_pages(metrics["a"], "served") - served_before >= remote
+    assert a.kvcr_pages("served") - served_before >= remote
     # Every answer, B's from restored pages among them, equals A's for the same request
     assert len(answers) == len(bodies)
     for k, body in enumerate(bodies):

@@ -128,6 +128,7 @@ class Deployment:
     discovery_backend: str = "file"
     event_plane: str = "zmq"
     host: str = LOOPBACK  # where the frontend, etcd and NATS listen (and what this process dials)
+    served_model: str = ""  # the model name requests carry (default: the stand-in model's path)
     workers: list[Worker] = field(default_factory=list, init=False)
     control_plane: ControlPlane | None = field(default=None, init=False)
     _frontend: subprocess.Popen[bytes] | None = field(default=None, init=False)
@@ -142,6 +143,7 @@ class Deployment:
             raise DeploymentError(f"event_plane must be one of {EVENT_PLANES}, got {self.event_plane!r}")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.model = str(write_tiny_model(self.workdir / "model"))
+        self.served_model = self.served_model or self.model
         self.discovery = self.workdir / "discovery"
         self.discovery.mkdir(exist_ok=True)
 
@@ -157,7 +159,8 @@ class Deployment:
             self.control_plane.start()
         return self.control_plane
 
-    def _env(self, host: str = "", **extra: str) -> dict[str, str]:
+    def environment(self, host: str = "", **extra: str) -> dict[str, str]:
+        """A child's environment: this deployment's discovery, event plane and advertised ``host``."""
         env = dict(os.environ)
         env.update({var: host or self.host for var in _HOST_VARS})
         servers = self._servers()
@@ -175,9 +178,10 @@ class Deployment:
         env.update(extra)
         return env
 
-    def _spawn(
+    def spawn(
         self, name: str, args: Sequence[str], env: Mapping[str, str], prefix: Sequence[str] = ()
     ) -> tuple[subprocess.Popen[bytes], Path]:
+        """Start ``python args`` in its own session, logging to ``<workdir>/<name>.log``; closed with the deployment."""
         log = self.workdir / f"{name}.log"
         handle = open(log, "ab")  # noqa: SIM115 (closed in close)
         self._logs.append(handle)
@@ -207,7 +211,7 @@ class Deployment:
             self.discovery_backend,
             *self.router_args,
         ]
-        self._frontend, _ = self._spawn("frontend", args, self._env())
+        self._frontend, _ = self.spawn("frontend", args, self.environment())
         return self.url
 
     def restart_frontend(self) -> None:
@@ -268,9 +272,9 @@ class Deployment:
             *(() if spec.metrics_port is None else ("--metrics-port", str(spec.metrics_port))),
             *spec.extra_args,
         ]
-        env = self._env(spec.host, DYN_SYSTEM_PORT=str(system))
+        env = self.environment(spec.host, DYN_SYSTEM_PORT=str(system))
         env.update(spec.env)
-        process, log = self._spawn(spec.name, args, env, spec.prefix)
+        process, log = self.spawn(spec.name, args, env, spec.prefix)
         worker = Worker(spec, process, control, system, report, log)
         self.workers.append(worker)
         return worker
@@ -326,7 +330,7 @@ class Deployment:
 
     def model_listed(self) -> bool:
         try:
-            return any(m.get("id") == self.model for m in self._get("/v1/models").get("data", ()))
+            return any(m.get("id") == self.served_model for m in self._get("/v1/models").get("data", ()))
         except DeploymentError:
             return False
 
@@ -366,11 +370,18 @@ class Deployment:
     # ------------------------------------------------------------------ requests
 
     def complete(
-        self, prompt: Sequence[int] | str, *, max_tokens: int = 8, nvext: Mapping[str, Any] | None = None
+        self,
+        prompt: Sequence[int] | str,
+        *,
+        max_tokens: int = 8,
+        nvext: Mapping[str, Any] | None = None,
+        sampling: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """``POST /v1/completions`` with token ids or text; the parsed response."""
-        body: dict[str, Any] = {"model": self.model, "prompt": prompt if isinstance(prompt, str) else list(prompt)}
+        """``POST /v1/completions`` with token ids or text (``sampling``: e.g. temperature); the parsed response."""
+        body: dict[str, Any] = {"model": self.served_model}
+        body["prompt"] = prompt if isinstance(prompt, str) else list(prompt)
         body["max_tokens"] = max_tokens
+        body.update(sampling or {})
         if nvext:
             body["nvext"] = dict(nvext)
         return self._post("/v1/completions", body)
@@ -378,7 +389,7 @@ class Deployment:
     def chat(self, messages: Sequence[Mapping[str, str]], *, max_tokens: int = 8) -> dict[str, Any]:
         """``POST /v1/chat/completions``; the parsed response."""
         return self._post(
-            "/v1/chat/completions", {"model": self.model, "messages": list(messages), "max_tokens": max_tokens}
+            "/v1/chat/completions", {"model": self.served_model, "messages": list(messages), "max_tokens": max_tokens}
         )
 
     def control(self, worker: Worker, name: str) -> dict[str, Any]:

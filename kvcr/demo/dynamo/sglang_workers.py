@@ -1,0 +1,141 @@
+"""Dynamo's own SGLang worker, ``python -m dynamo.sglang``, with kvcr as its HiCache L3, on the CPU.
+
+What an operator runs (docs/dynamo.md), with the flags a CPU-only machine needs
+(``kvcr.testing.engine.CPU_FLAGS``, docs/engine-on-cpu.md) and the test shims on the child's
+``PYTHONPATH`` only. No kvcr code is named on the command line: kvcr is the storage backend of the
+extra-config, and kvcr's SGLang plugin publishes the hint capability, forwards the router's hints
+and puts kvcr's series on the worker's ``/metrics`` (``--enable-metrics``, ``DYN_SYSTEM_PORT``).
+The demo on real engines and ``tests/engine`` start workers through :func:`start_sglang_worker`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcr.demo.dynamo.deployment import Deployment, DeploymentError, free_port, free_system_port, log_tail
+from kvcr.testing.engine import CPU_FLAGS, PAGE_SIZE, REPO, SHIMS, STUBS, kvcr_extra_config
+
+SERVED_MODEL = "tiny"
+
+
+@dataclass(frozen=True, slots=True)
+class SglangWorkerSpec:
+    name: str
+    max_total_tokens: int = 4096
+    kvcr_settings: Mapping[str, Any] = field(default_factory=dict)  # over the loopback defaults
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass
+class SglangWorker:
+    spec: SglangWorkerSpec
+    process: subprocess.Popen[bytes]
+    control_port: int
+    system_port: int
+    log: Path
+
+    @property
+    def control_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.control_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.system_port}/metrics"
+
+    def alive(self) -> bool:
+        return bool(self.process.poll() is None)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the worker's process group (its scheduler too), SIGKILL after ``grace_s``."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(grace_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # a scheduler child that outlived its parent
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(10)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            return str(response.read().decode())
+
+    def kvcr_pages(self, path: str, outcome: str = "ok") -> int:
+        """``kvcr_pages_total{path, outcome}`` on the worker's own /metrics, summed over its ranks."""
+        total = 0.0
+        for line in self.metrics_text().splitlines():
+            if line.startswith("kvcr_pages_total{") and f'path="{path}"' in line and f'outcome="{outcome}"' in line:
+                total += float(line.rsplit(" ", 1)[1])
+        return int(total)
+
+
+def worker_args(model: Path, control_port: int, events_port: int, spec: SglangWorkerSpec) -> list[str]:
+    """``-m dynamo.sglang ...``: kvcr as L3 with hints on, SGLang's KV events, metrics, CPU flags."""
+    settings = {"enable_remote_hint": True, "operation_timeout_ms": 2000, **spec.kvcr_settings}
+    extra = kvcr_extra_config(control_port, **settings)
+    return [
+        "-m", "dynamo.sglang",
+        "--model-path", str(model), "--served-model-name", SERVED_MODEL,
+        *CPU_FLAGS,
+        "--page-size", str(PAGE_SIZE), "--max-total-tokens", str(spec.max_total_tokens),
+        "--enable-hierarchical-cache", "--hicache-write-policy", "write_through",
+        "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra),
+        "--enable-metrics",
+        # SGLang's KV events feed the router's event-driven indexer, without which it attaches no hints
+        "--kv-events-config", json.dumps({"publisher": "zmq", "topic": "kv-events", "endpoint": f"tcp://*:{events_port}"}),
+        *spec.extra_args,
+    ]  # fmt: skip
+
+
+def cpu_environment(base: Mapping[str, str], system_port: int) -> dict[str, str]:
+    """The worker's environment: the CPU shims and stubs on its ``PYTHONPATH``, caches in the repo."""
+    env = dict(base)
+    for var, sub in (("SGLANG_CACHE_DIR", "sglang"), ("TORCH_EXTENSIONS_DIR", "torch_extensions")):
+        env.setdefault(var, str(REPO / ".cache" / sub))
+    path = [str(SHIMS), str(REPO), env.get("PYTHONPATH", ""), str(STUBS)]
+    env.update(
+        PYTHONPATH=":".join(part for part in path if part),
+        SGLANG_USE_CPU_ENGINE="1",
+        KVCR_ENGINE_CPU_OP_PLACEHOLDERS="1",
+        DYN_SYSTEM_PORT=str(system_port),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def start_sglang_worker(deployment: Deployment, model: Path, spec: SglangWorkerSpec) -> SglangWorker:
+    """Start one ``python -m dynamo.sglang`` worker in ``deployment`` (not waiting for it)."""
+    control, events, system = free_port(), free_port(), free_system_port()
+    env = cpu_environment(deployment.environment(), system)
+    args = [*worker_args(model, control, events, spec), "--discovery-backend", deployment.discovery_backend]
+    process, log = deployment.spawn(spec.name, args, env)
+    return SglangWorker(spec, process, control, system, log)
+
+
+def wait_sglang_ready(deployment: Deployment, workers: Iterable[SglangWorker], timeout_s: float = 240.0) -> None:
+    """Wait until the frontend routes to every worker and lists the model; a dead worker ends the wait."""
+    pending = list(workers)
+    deadline = time.monotonic() + timeout_s
+    while len(deployment.routable_ids()) < len(pending) or not deployment.model_listed():
+        for worker in pending:
+            if not worker.alive():
+                raise DeploymentError(f"worker {worker.spec.name} exited; see {worker.log}{log_tail(worker.log, 25)}")
+        if time.monotonic() > deadline:
+            raise DeploymentError(
+                f"the SGLang workers were not routable after {timeout_s:.0f} s; logs in {deployment.workdir}"
+            )
+        time.sleep(0.5)

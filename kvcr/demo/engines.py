@@ -1,0 +1,284 @@
+"""``kvcr demo --engine sglang``: Dynamo's frontend and KV router in front of real SGLang engines.
+
+The workers are Dynamo's own ``python -m dynamo.sglang`` (a real SGLang 0.5.23 engine each: its
+scheduler, radix tree and HiCache controller) with kvcr as HiCache's L3, started as an operator
+would (``kvcr.demo.dynamo.sglang_workers``), on the CPU with a tiny Llama written on the spot.
+Conversations go through ``/v1/completions`` as token ids (role tokens, a shared system prompt,
+each turn extending the last with the reply and a new user message), greedy. Whatever the router
+decides, routing a turn to the worker that lacks its prefix attaches a hint, and that worker's
+kvcr reads the prefix from the peer's kvcr DRAM.
+
+What the table reports comes from the engines and kvcr themselves: prefill tokens saved from the
+responses' ``usage.prompt_tokens_details.cached_tokens`` (SGLang's count), pages from each
+worker's ``kvcr_pages_total`` on its own ``/metrics``. Then the workers stop and one more SGLang
+server with no cache at all (no HiCache, no kvcr, no radix tree) answers every request again:
+every answer must equal the one computed without reuse.
+
+The stand-in-model demo (``kvcr demo``) stays the better tool for many workers, for checking
+every restored page against the bytes its prefix determines, for latency plots and for the
+etcd/NATS control plane: it starts in seconds and its pages are checkable byte for byte.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcr.demo.dynamo.deployment import Deployment, DeploymentError
+from kvcr.demo.dynamo.sglang_workers import (
+    SERVED_MODEL,
+    SglangWorker,
+    SglangWorkerSpec,
+    start_sglang_worker,
+    wait_sglang_ready,
+)
+from kvcr.testing.engine import ROLES, SPECIAL, EngineError, EngineServer, token_id, write_model
+
+WORDS = 1000  # the tiny model's vocabulary of words (kvcr.testing.engine.write_model)
+KVCR_PATHS = ("backup", "local_restore", "remote_restore", "served")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDemoOptions:
+    workers: int = 2
+    conversations: int = 4
+    turns: int = 3
+    system_tokens: int = 256
+    user_tokens: int = 96
+    reply_tokens: int = 16
+    stagger_s: float = 1.0
+    workdir: str | None = None
+    quiet: bool = False
+
+
+@dataclass
+class Turn:
+    conversation: int
+    turn: int
+    prompt: list[int]
+    text: str = ""
+    cached_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class EngineSummary:
+    turns: list[Turn]
+    pages: dict[str, dict[str, int]] = field(default_factory=dict)  # worker -> kvcr path -> pages
+    reference: list[str] = field(default_factory=list)  # the answers computed without reuse
+    reference_error: str = ""
+
+    @property
+    def answered(self) -> int:
+        return sum(not t.error for t in self.turns)
+
+    @property
+    def saved_tokens(self) -> int:
+        return sum(t.cached_tokens for t in self.turns)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(t.prompt) for t in self.turns)
+
+    def total(self, path: str) -> int:
+        return sum(by_path.get(path, 0) for by_path in self.pages.values())
+
+    @property
+    def mismatched(self) -> list[Turn]:
+        if len(self.reference) != len(self.turns):
+            return []
+        return [t for t, ref in zip(self.turns, self.reference, strict=True) if not t.error and t.text != ref]
+
+    @property
+    def ok(self) -> bool:
+        checked = len(self.reference) == len(self.turns) and not self.reference_error
+        return checked and self.answered == len(self.turns) and not self.mismatched and self.total("remote_restore") > 0
+
+
+def role(name: str) -> int:
+    """The token id of ``system:``, ``user:`` or ``assistant:`` in the tiny model's vocabulary."""
+    return len(SPECIAL) + WORDS + ROLES.index(f"{name}:")
+
+
+def words(start: int, count: int) -> list[int]:
+    return [token_id((start + i) % WORDS) for i in range(count)]
+
+
+def ids_of(text: str) -> list[int]:
+    """The token ids of a reply (the vocabulary is one token per whitespace-separated word)."""
+    ids = []
+    for piece in text.split():
+        if piece in ROLES:
+            ids.append(len(SPECIAL) + WORDS + ROLES.index(piece))
+        elif piece.startswith("w") and piece[1:].isdigit() and int(piece[1:]) < WORDS:
+            ids.append(token_id(int(piece[1:])))
+        else:
+            raise ValueError(f"a reply holds {piece!r}, not a word of the tiny model")
+    return ids
+
+
+class Conversations:
+    """Each conversation in a thread, its turns in order; conversation 0's first turn goes alone."""
+
+    def __init__(self, deployment: Deployment, options: EngineDemoOptions, on_turn: Any) -> None:
+        self.deployment, self.options, self.on_turn = deployment, options, on_turn
+        self.turns: list[Turn] = []
+        self._lock = threading.Lock()
+        self._first = threading.Event()
+        self._system = [role("system"), *words(500, options.system_tokens - 1)]
+
+    def run(self) -> list[Turn]:
+        threads = [
+            threading.Thread(target=self._conversation, args=(c,), daemon=True)
+            for c in range(self.options.conversations)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(900)
+        return sorted(self.turns, key=lambda t: (t.conversation, t.turn))
+
+    def _conversation(self, c: int) -> None:
+        o = self.options
+        if c:
+            self._first.wait(300)
+            time.sleep(c * o.stagger_s)
+        prompt = list(self._system)
+        for k in range(o.turns):
+            prompt += [role("user"), *words(17 * c + 131 * k, o.user_tokens), role("assistant")]
+            turn = Turn(c, k, list(prompt))
+            try:
+                reply = self.deployment.complete(prompt, max_tokens=o.reply_tokens, sampling={"temperature": 0})
+                turn.text = str(reply["choices"][0]["text"])
+                details = (reply.get("usage") or {}).get("prompt_tokens_details") or {}
+                turn.cached_tokens = int(details.get("cached_tokens") or 0)
+                prompt += ids_of(turn.text)
+            except (DeploymentError, KeyError, IndexError, TypeError, ValueError) as exc:
+                turn.error = str(exc)
+            with self._lock:
+                self.turns.append(turn)
+            self.on_turn()
+            self._first.set()
+            if turn.error:
+                return
+
+
+def answers_without_reuse(model: Path, workdir: Path, turns: Sequence[Turn], reply_tokens: int) -> list[str]:
+    """Every turn's answer from a SGLang server with no cache at all (greedy, the same token limit)."""
+    server = EngineServer(model, workdir / "reference.log", reuse=False)
+    with server:
+        return [
+            str(server.generate(t.prompt, max_new_tokens=reply_tokens, ignore_eos=False, logprobs=False)["text"])
+            for t in turns
+        ]
+
+
+def run_engine_demo(options: EngineDemoOptions) -> int:
+    """Run the demo; 0 when every turn was answered, equals its answer without reuse, and a peer served pages."""
+    from rich.console import Console
+
+    console = Console(quiet=options.quiet)
+    results = Console()
+    started = time.monotonic()
+    with ExitStack() as stack:
+        workdir = Path(options.workdir) if options.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        model = write_model(workdir / "engine-model", words=WORDS)
+        deployment = stack.enter_context(Deployment(workdir / "deployment", served_model=SERVED_MODEL))
+        workers: list[SglangWorker] = []
+        stack.callback(_stop_all, workers)
+        with console.status(f"starting Dynamo's frontend (KV router) and {options.workers} dynamo.sglang workers"):
+            try:
+                deployment.start_frontend()
+                workers = [
+                    start_sglang_worker(deployment, model, SglangWorkerSpec(f"sglang-{i}"))
+                    for i in range(options.workers)
+                ]
+                wait_sglang_ready(deployment, workers)
+            except DeploymentError as exc:
+                results.print(f"[red]kvcr demo: {exc}[/red]")
+                return 1
+        console.print(
+            f"frontend {deployment.url} (router-mode kv) in front of {options.workers} `python -m dynamo.sglang` "
+            f"workers with kvcr as L3; ready after {time.monotonic() - started:.0f} s"
+        )
+        total = options.conversations * options.turns
+        done = [0]
+
+        def advanced() -> None:
+            done[0] += 1
+            console.print(f"  {done[0]}/{total} turns answered", highlight=False)
+
+        turns = Conversations(deployment, options, advanced).run()
+        summary = EngineSummary(turns)
+        for worker in workers:
+            try:
+                summary.pages[worker.spec.name] = {path: worker.kvcr_pages(path) for path in KVCR_PATHS}
+            except OSError as exc:
+                results.print(f"[red]kvcr demo: {worker.spec.name}'s /metrics did not answer: {exc}[/red]")
+        for worker in workers:
+            worker.stop()
+        with console.status("the same requests on one SGLang server with no cache (the answers without reuse)"):
+            try:
+                summary.reference = answers_without_reuse(model, workdir, turns, options.reply_tokens)
+            except EngineError as exc:
+                summary.reference_error = str(exc).splitlines()[0]
+    results.print(_table(summary))
+    results.print(_verdict(summary))
+    return 0 if summary.ok else 1
+
+
+def _stop_all(workers: Sequence[SglangWorker]) -> None:
+    for worker in workers:
+        worker.stop()
+
+
+def _table(s: EngineSummary) -> Any:
+    from rich.table import Table
+
+    table = Table(title="kvcr under real SGLang engines behind Dynamo's KV router", header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    answered_same = (
+        f"{len(s.turns) - len(s.mismatched)} / {len(s.turns)}" if len(s.reference) == len(s.turns) else "not checked"
+    )
+    rows = [
+        ("turns (answered / sent)", f"{s.answered} / {len(s.turns)}"),
+        ("prompt tokens", str(s.prompt_tokens)),
+        ("prefill tokens saved (SGLang's cached_tokens)", str(s.saved_tokens)),
+        ("pages backed up to kvcr", str(s.total("backup"))),
+        ("pages restored from local kvcr DRAM", str(s.total("local_restore"))),
+        ("pages restored from a peer (router's hint)", str(s.total("remote_restore"))),
+        ("answers equal to the answer without reuse", answered_same),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    for worker, by_path in sorted(s.pages.items()):
+        pages = " / ".join(str(by_path[p]) for p in KVCR_PATHS)
+        table.add_row(f"  {worker}: backup / local / from peer / served", pages)
+    return table
+
+
+def _verdict(s: EngineSummary) -> str:
+    failed = [t for t in s.turns if t.error]
+    if failed:
+        return f"[red]FAILED: {len(failed)} turns got no answer (first: {failed[0].error})[/red]"
+    if s.reference_error:
+        return f"[red]FAILED: the server without reuse did not answer: {s.reference_error}[/red]"
+    if s.mismatched:
+        t = s.mismatched[0]
+        return (
+            f"[red]FAILED: {len(s.mismatched)} answers differ from the answer without reuse "
+            f"(first: conversation {t.conversation} turn {t.turn})[/red]"
+        )
+    if not s.total("remote_restore"):
+        return "[yellow]no page was restored from a peer: every turn was routed to its prefix's holder[/yellow]"
+    return (
+        f"[green]OK: every answer equals the answer without reuse; {s.saved_tokens} prefill tokens saved, "
+        f"{s.total('remote_restore')} pages read from a peer on the router's hint[/green]"
+    )

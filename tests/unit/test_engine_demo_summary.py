@@ -1,0 +1,46 @@
+"""The real-engine demo's own judgement: what counts as an equal answer, a reply's tokens, its verdict."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcr.cli import main
+from kvcr.demo.engines import EngineSummary, Turn, ids_of, role
+from kvcr.testing.engine import token_id
+
+
+def summary(texts, reference, remote=16, error=""):
+    turns = [
+        Turn(0, k, [1, 2, 3], text=text, cached_tokens=16, error=error if k == 0 else "")
+        for k, text in enumerate(texts)
+    ]
+    pages = {"a": {"backup": 4, "local_restore": 0, "remote_restore": remote, "served": 0}}
+    return EngineSummary(turns, pages=pages, reference=list(reference))
+
+
+def test_every_answer_equal_and_pages_from_a_peer_is_ok():
+    s = summary(["w1 w2", "w3"], ["w1 w2", "w3"])
+    assert s.ok and not s.mismatched and s.saved_tokens == 32
+
+
+def test_one_answer_that_differs_from_the_reference_fails_the_demo():
+    s = summary(["w1 w2", "w3"], ["w1 w2", "w4"])
+    assert [t.turn for t in s.mismatched] == [1] and not s.ok
+
+
+def test_no_reference_or_no_peer_pages_or_a_lost_turn_is_not_ok():
+    assert not summary(["w1"], []).ok  # not checked is not passed
+    assert not summary(["w1"], ["w1"], remote=0).ok
+    assert not summary(["", "w3"], ["", "w3"], error="HTTP 500").ok
+
+
+def test_a_reply_is_read_back_as_the_tiny_models_token_ids():
+    assert ids_of("w0 w17 assistant: w999") == [token_id(0), token_id(17), role("assistant"), token_id(999)]
+    with pytest.raises(ValueError, match="'hello'"):
+        ids_of("w1 hello")
+
+
+def test_the_stand_in_options_are_refused_with_the_sglang_engine():
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--engine", "sglang", "--discovery", "etcd"])
+    assert "--discovery" in str(exit_.value) and "stand-in" in str(exit_.value)
