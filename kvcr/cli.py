@@ -258,6 +258,25 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_scale(args: argparse.Namespace) -> int:
+    from kvcr.bench.scale import ScaleOptions, run_scale, scale_table, write_json
+
+    if args.workers < 2:
+        raise KvcrError(f"--workers must be at least 2, got {args.workers}")
+    options = ScaleOptions(
+        workers=args.workers, requests=args.requests, concurrency=args.concurrency, workdir=args.workdir
+    )
+    result = _Progress(1).step(
+        f"scale: {args.workers} kvcr workers behind Dynamo's KV router, {args.requests} requests",
+        partial(run_scale, options),
+    )
+    print(scale_table(result))
+    if args.json:
+        write_json(result, Path(args.json))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0 if not result.failed else 1
+
+
 def _bench_all(args: argparse.Namespace) -> int:
     from kvcr.bench.local import as_dict as local_dict
     from kvcr.bench.plot import plot_local, plot_remote, plot_sglang
@@ -582,6 +601,16 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--workdir", default=None, help="keep the model and the servers' logs here")
     engine.add_argument("--json", default="bench-results/engine.json", help="where to write the results ('' for none)")
     engine.set_defaults(func=_bench_engine)
+
+    scale = command(
+        which, "scale", "KV-event bytes per prefill token and the router's index update rate from a local fleet"
+    )
+    scale.add_argument("--workers", type=int, default=8, help="stand-in kvcr workers behind the router")
+    scale.add_argument("--requests", type=_positive("--requests"), default=320, help="completions to send")
+    scale.add_argument("--concurrency", type=_positive("--concurrency"), default=8, help="requests in flight")
+    scale.add_argument("--workdir", default=None, help="keep the processes' logs and reports here")
+    scale.add_argument("--json", default="bench-results/scale.json", help="where to write the results ('' for none)")
+    scale.set_defaults(func=_bench_scale)
 
     every = command(which, "all", "run local, sglang and remote with their defaults; regenerate the README's part")
     every.add_argument("--out-dir", default="bench-results", help="where the JSON, PNGs and README-tables.md go")

@@ -102,6 +102,7 @@ class Worker:
     system_port: int
     report: Path
     log: Path
+    events_port: int = 0  # where its kvcr KV-event publisher binds
     worker_id: int | None = None
 
     @property
@@ -275,7 +276,7 @@ class Deployment:
         env = self.environment(spec.host, DYN_SYSTEM_PORT=str(system))
         env.update(spec.env)
         process, log = self.spawn(spec.name, args, env, spec.prefix)
-        worker = Worker(spec, process, control, system, report, log)
+        worker = Worker(spec, process, control, system, report, log, events_port=events)
         self.workers.append(worker)
         return worker
 

@@ -156,6 +156,7 @@ class KvcrWorker(LLMEngine):
                 "request_id": request_id,
                 "prompt_tokens": len(token_ids),
                 "hint": raw_hint is not None,
+                "hint_bytes": len(json.dumps(raw_hint, separators=(",", ":"))) if raw_hint is not None else 0,
                 "hint_source": _hint_source(kv_hints),
                 "hint_pages": _hint_pages(kv_hints),
                 "pages": served.pages,
