@@ -259,7 +259,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
 
 def _bench_scale(args: argparse.Namespace) -> int:
-    from kvcr.bench.scale import ScaleOptions, run_scale, scale_table, write_json
+    from kvcr.demo.scale import ScaleOptions, run_scale, scale_table, write_json
 
     if args.workers < 2:
         raise KvcrError(f"--workers must be at least 2, got {args.workers}")
@@ -411,30 +411,26 @@ def _demo(args: argparse.Namespace) -> int:
         from kvcr.demo import run_local_demo
 
         return run_local_demo(verbose=not args.quiet)
-    if args.engine == "sglang":
-        return _engine_demo(args)
-    from kvcr.demo import DemoOptions, run_cluster_demo
-
-    args.turns = 4 if args.turns is None else args.turns
-    for option, value, low in (
-        ("--workers", args.workers, 2),
-        ("--turns", args.turns, 1),
-        ("--page-kib", args.page_kib, 16),
-    ):
+    turns = args.turns if args.turns is not None else (3 if args.engine == "sglang" else 4)
+    for option, value, low in (("--workers", args.workers, 2), ("--turns", turns, 1)):
         if value < low:
             raise SystemExit(f"kvcr demo: {option} must be at least {low}, got {value}")
-    if args.page_kib % 16:
-        raise SystemExit(f"kvcr demo: --page-kib must be a multiple of 16, got {args.page_kib}")
-    if args.plot and not args.plot.lower().endswith(".png"):
-        raise SystemExit(f"kvcr demo: --plot must name a .png file, got {args.plot!r}")
     from kvcr.demo.dynamo.control_plane import missing
 
     absent = missing(args.discovery, args.event_plane)
     if absent:
         raise SystemExit(f"kvcr demo: --discovery {args.discovery} --event-plane {args.event_plane}: {absent}")
+    if args.engine == "sglang":
+        return _engine_demo(args, turns)
+    from kvcr.demo import DemoOptions, run_cluster_demo
+
+    if args.page_kib < 16 or args.page_kib % 16:
+        raise SystemExit(f"kvcr demo: --page-kib must be a positive multiple of 16, got {args.page_kib}")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise SystemExit(f"kvcr demo: --plot must name a .png file, got {args.plot!r}")
     options = DemoOptions(
         workers=args.workers,
-        turns=args.turns,
+        turns=turns,
         page_kib=args.page_kib,
         conversations=args.conversations,
         plot=args.plot,
@@ -448,8 +444,8 @@ def _demo(args: argparse.Namespace) -> int:
     return run_cluster_demo(options)
 
 
-def _engine_demo(args: argparse.Namespace) -> int:
-    """``kvcr demo --engine sglang``: real dynamo.sglang workers (the stand-in demo's own options refused)."""
+def _engine_demo(args: argparse.Namespace, turns: int) -> int:
+    """The demo on ``python -m dynamo.sglang`` workers; the stand-in workers' own options are refused."""
     from kvcr.demo.engines import EngineDemoOptions, run_engine_demo
 
     others = [
@@ -459,26 +455,22 @@ def _engine_demo(args: argparse.Namespace) -> int:
             ("--plot", args.plot is not None),
             ("--transport", args.transport != "auto"),
             ("--metrics-port", args.metrics_port is not None),
-            ("--discovery", args.discovery != "file"),
-            ("--event-plane", args.event_plane != "zmq"),
         )
         if given
     ]
     if others:
         raise SystemExit(
-            f"kvcr demo --engine sglang: {', '.join(others)}: an option of the stand-in workers only (the SGLang "
-            "workers run NIXL, file discovery and the zmq event plane, and serve /metrics on their system port)"
+            f"kvcr demo: {', '.join(others)}: an option of the stand-in workers (add --engine stand-in); the "
+            "SGLang workers run NIXL with the model's own page size and serve /metrics on their system port"
         )
-    turns = 3 if args.turns is None else args.turns
-    for option, value, low in (("--workers", args.workers, 2), ("--turns", turns, 1)):
-        if value < low:
-            raise SystemExit(f"kvcr demo: {option} must be at least {low}, got {value}")
     options = EngineDemoOptions(
         workers=args.workers,
         conversations=args.conversations or 2 * args.workers,
         turns=turns,
         workdir=args.workdir,
         quiet=args.quiet,
+        discovery=args.discovery,
+        event_plane=args.event_plane,
     )
     return run_engine_demo(options)
 
@@ -505,15 +497,18 @@ def build_parser() -> argparse.ArgumentParser:
         made: argparse.ArgumentParser = group.add_parser(name, help=text, description=text, formatter_class=_Help)
         return made
 
-    demo = command(commands, "demo", "Dynamo's frontend and KV router in front of kvcr workers, a multi-turn workload")
+    demo = command(
+        commands, "demo", "Dynamo's frontend and KV router in front of workers with kvcr as L3, a multi-turn workload"
+    )
     demo.add_argument("--workers", type=int, default=2, help="workers behind the router (at least 2)")
     demo.add_argument(
         "--engine",
-        choices=("stand-in", "sglang"),
-        default="stand-in",
-        help="the workers: kvcr's stand-in-model worker, or Dynamo's own dynamo.sglang on real SGLang engines (CPU)",
+        choices=("sglang", "stand-in"),
+        default="sglang",
+        help="the workers: Dynamo's own dynamo.sglang on real SGLang engines (CPU), or kvcr's stand-in-model "
+        "worker (starts in seconds; many workers, byte-checked pages, --plot)",
     )
-    demo.add_argument("--turns", type=int, default=None, help="turns per conversation (default: 4; 3 with sglang)")
+    demo.add_argument("--turns", type=int, default=None, help="turns per conversation (default: 3; 4 with stand-in)")
     demo.add_argument("--conversations", type=int, default=None, help="conversations (default: 2 per worker)")
     demo.add_argument("--page-kib", type=int, default=64, help="KV bytes per 16-token page, in KiB")
     demo.add_argument("--plot", default=None, metavar="FILE.png", help="also plot each request's pages and latency")
@@ -697,7 +692,9 @@ def _needs(args: argparse.Namespace) -> list[str]:
         if args.local_only:
             return []
         return ["rich", "dynamo", *(["matplotlib"] if args.plot else [])]
-    if args.command == "bench" and plots:
+    if args.command == "bench" and args.bench == "scale":
+        return ["dynamo"]  # its workers are Dynamo workers; it draws nothing
+    if args.command == "bench" and plots and args.bench != "engine":  # engine draws nothing either
         return ["matplotlib"]
     return []
 

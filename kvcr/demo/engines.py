@@ -1,4 +1,4 @@
-"""``kvcr demo --engine sglang``: Dynamo's frontend and KV router in front of real SGLang engines.
+"""``kvcr demo`` (``--engine sglang``, the default): Dynamo's frontend and KV router in front of real SGLang engines.
 
 The workers are Dynamo's own ``python -m dynamo.sglang`` (a real SGLang 0.5.23 engine each: its
 scheduler, radix tree and HiCache controller) with kvcr as HiCache's L3, started as an operator
@@ -14,7 +14,7 @@ worker's ``kvcr_pages_total`` on its own ``/metrics``. Then the workers stop and
 server with no cache at all (no HiCache, no kvcr, no radix tree) answers every request again:
 every answer must equal the one computed without reuse.
 
-The stand-in-model demo (``kvcr demo``) stays the better tool for many workers, for checking
+The stand-in-model demo (``kvcr demo --engine stand-in``) stays the better tool for many workers, for checking
 every restored page against the bytes its prefix determines, for latency plots and for the
 etcd/NATS control plane: it starts in seconds and its pages are checkable byte for byte.
 """
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcr.demo.dynamo.control_plane import ControlPlaneError
 from kvcr.demo.dynamo.deployment import Deployment, DeploymentError
 from kvcr.demo.dynamo.sglang_workers import (
     SERVED_MODEL,
@@ -55,6 +56,8 @@ class EngineDemoOptions:
     stagger_s: float = 1.0
     workdir: str | None = None
     quiet: bool = False
+    discovery: str = "file"  # or "etcd": an etcd server the deployment starts
+    event_plane: str = "zmq"  # or "nats": a NATS server the deployment starts
 
 
 @dataclass
@@ -189,7 +192,14 @@ def run_engine_demo(options: EngineDemoOptions) -> int:
     with ExitStack() as stack:
         workdir = Path(options.workdir) if options.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         model = write_model(workdir / "engine-model", words=WORDS)
-        deployment = stack.enter_context(Deployment(workdir / "deployment", served_model=SERVED_MODEL))
+        deployment = stack.enter_context(
+            Deployment(
+                workdir / "deployment",
+                served_model=SERVED_MODEL,
+                discovery_backend=options.discovery,
+                event_plane=options.event_plane,
+            )
+        )
         workers: list[SglangWorker] = []
         stack.callback(_stop_all, workers)
         with console.status(f"starting Dynamo's frontend (KV router) and {options.workers} dynamo.sglang workers"):
@@ -200,11 +210,12 @@ def run_engine_demo(options: EngineDemoOptions) -> int:
                     for i in range(options.workers)
                 ]
                 wait_sglang_ready(deployment, workers)
-            except DeploymentError as exc:
+            except (DeploymentError, ControlPlaneError) as exc:
                 results.print(f"[red]kvcr demo: {exc}[/red]")
                 return 1
         console.print(
-            f"frontend {deployment.url} (router-mode kv) in front of {options.workers} `python -m dynamo.sglang` "
+            f"frontend {deployment.url} (router-mode kv, {options.discovery} discovery, {options.event_plane} "
+            f"event plane) in front of {options.workers} `python -m dynamo.sglang` "
             f"workers with kvcr as L3; ready after {time.monotonic() - started:.0f} s"
         )
         total = options.conversations * options.turns

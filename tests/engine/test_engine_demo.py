@@ -1,4 +1,4 @@
-"""``kvcr demo --engine sglang``: the README's demo on real engines, run as an operator runs it.
+"""``kvcr demo``: the README's demo on real engines (``--engine sglang``, the default), as an operator runs it.
 
 Two ``python -m dynamo.sglang`` workers behind Dynamo's frontend and KV router, four conversations
 of three turns; the command's exit status is 0 only when every turn was answered, every answer
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.timeout(420)]
 
 
 def test_the_demo_on_real_engines_reuses_the_prefix_and_answers_as_without_reuse(tmp_path, capsys):
-    status = main(["demo", "--engine", "sglang", "--quiet", "--workdir", str(tmp_path)])
+    status = main(["demo", "--quiet", "--workdir", str(tmp_path)])  # --engine sglang is the default
     out = capsys.readouterr().out  # --quiet keeps the table and the verdict
     assert status == 0, out[-4000:]
     assert re.search(r"turns \(answered / sent\)\s*│\s*12 / 12", out), out

@@ -40,7 +40,8 @@ def test_a_reply_is_read_back_as_the_tiny_models_token_ids():
         ids_of("w1 hello")
 
 
-def test_the_stand_in_options_are_refused_with_the_sglang_engine():
-    with pytest.raises(SystemExit) as exit_:
-        main(["demo", "--engine", "sglang", "--discovery", "etcd"])
-    assert "--discovery" in str(exit_.value) and "stand-in" in str(exit_.value)
+def test_the_stand_in_options_are_refused_with_the_sglang_engine_the_default():
+    for argv in (["demo", "--plot", "p.png"], ["demo", "--engine", "sglang", "--page-kib", "128"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert argv[-2] in str(exit_.value) and "--engine stand-in" in str(exit_.value)

@@ -1,4 +1,4 @@
-"""``kvcr demo`` end to end: Dynamo's frontend, two kvcr workers, conversations over HTTP, the table."""
+"""``kvcr demo --engine stand-in`` end to end: Dynamo's frontend, two kvcr workers, conversations over HTTP."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.nixl, pytest.mark.timeout(24
 )
 def test_the_demo_restores_pages_from_a_peer_on_the_routers_hint_all_verified(tmp_path, capsys, options):
     plot = tmp_path / "demo.png"
-    args = ["demo", "--workers", "2", "--turns", "3", "--plot", str(plot), "--workdir", str(tmp_path), *options]
+    args = ["demo", "--engine", "stand-in", "--workers", "2", "--turns", "3", "--plot", str(plot)]
+    args += ["--workdir", str(tmp_path), *options]
     assert main(args) == 0
     out = capsys.readouterr().out  # --quiet keeps the tables and the verdict
     assert "pages restored from a peer" in out and "all match" in out

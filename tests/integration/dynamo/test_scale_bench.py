@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcr.bench.scale import ScaleOptions, run_scale, scale_table
+from kvcr.demo.scale import ScaleOptions, run_scale, scale_table
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.nixl, pytest.mark.timeout(240)]
 
