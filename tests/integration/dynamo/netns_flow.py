@@ -5,7 +5,10 @@ per worker its namespace, device and address). The frontend, etcd and NATS liste
 namespace's address; each worker runs in its own namespace (``ip netns exec``), advertises its own
 address, and reaches its peers only over the veth link to the bridge, UCX over tcp as between
 hosts without RDMA. It seeds a prefix on A, loads A, lets the router book B with its hint, then
-starts C late and waits for the router to use it. Prints one JSON line: what each step showed.
+starts C late and waits for the router to use it. Then the churn: NATS stopped, etcd stopped, the
+frontend restarted (each followed by a hinted read across namespaces), and C SIGKILLed with a
+prefix only it holds (requests for it until the router drops C, and one after). Prints one JSON
+line: what each step showed.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcr.demo.dynamo.deployment import Deployment, WorkerSpec
+from kvcr.demo.dynamo.deployment import Deployment, DeploymentError, WorkerSpec
 from kvcr.demo.dynamo.tiny_model import token_id
 
 PAGE = 16
@@ -61,7 +64,8 @@ def main(job: dict[str, Any]) -> dict[str, Any]:
     hosts = job["workers"]
     out: dict[str, Any] = {}
     started = time.monotonic()
-    with Deployment(Path(job["workdir"]), discovery_backend="etcd", event_plane="nats", host=job["frontend_addr"]) as d:
+    where = {"discovery_backend": "etcd", "event_plane": "nats", "host": job["frontend_addr"]}
+    with Deployment(Path(job["workdir"]), router_args=tuple(job.get("router_args", ())), **where) as d:
         d.start_frontend()
         a = d.start_worker(spec("a", job, hosts["a"]))
         b = d.start_worker(spec("b", job, hosts["b"], queue_delay_ms=1500))
@@ -84,6 +88,55 @@ def main(job: dict[str, Any]) -> dict[str, Any]:
         out["served_by_c"] = served_by_c
         out["hinted_from_c"] = hinted(d, c, 6) if served_by_c else None
         out["endpoints"]["c"] = c.control_endpoint
+        out["churn"] = churn(d, a, c)
+    return out
+
+
+def outage(d: Deployment, server: str, holder: Any, n: int) -> dict[str, Any]:
+    """Stop etcd or NATS for a few requests on a seeded prefix; then a hinted read must work again."""
+    assert d.control_plane is not None
+    tokens = prefix(n)
+    d.record_of(d.complete([*tokens, token_id(1)], nvext={"backend_instance_id": holder.worker_id}))
+    d.control_plane.stop(server)
+    stopped = time.monotonic()
+    try:
+        during = []
+        for k in range(3):
+            during.append(d.record_of(d.complete([*tokens, token_id(40 + k)])))
+            time.sleep(1.0)
+    finally:
+        down_s = time.monotonic() - stopped
+        d.control_plane.restart(server)
+    back = time.monotonic()
+    d.wait_ready([w for w in d.workers if w.process.poll() is None], timeout_s=90)
+    time.sleep(3)  # the publishers reconnect to NATS
+    again = time.monotonic() - back
+    return {"down_s": down_s, "routable_again_s": again, "during": during, "after": hinted(d, holder, n + 1)}
+
+
+def churn(d: Deployment, a: Any, c: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"nats": outage(d, "nats", a, 7), "etcd": outage(d, "etcd", a, 9)}
+    restarted = time.monotonic()
+    d.restart_frontend()
+    d.wait_ready([w for w in d.workers if w.process.poll() is None], timeout_s=90)
+    out["frontend_routable_s"] = time.monotonic() - restarted
+    out["after_frontend"] = hinted(d, a, 11)
+    # C dies holding a prefix no one else has: hints naming it cost a miss until the router drops it.
+    tokens = prefix(12)
+    d.record_of(d.complete([*tokens, token_id(1)], nvext={"backend_instance_id": c.worker_id}))
+    time.sleep(0.5)
+    d.kill(c)
+    killed = time.monotonic()
+    while_listed: list[dict[str, Any]] = []
+    while c.worker_id in d.routable_ids() and time.monotonic() - killed < 90:
+        try:  # booked on C itself: without --migration-limit the frontend answers 503
+            while_listed.append(d.record_of(d.complete([*tokens, token_id(60 + len(while_listed))])))
+        except DeploymentError as exc:
+            while_listed.append({"error": str(exc)[:200]})
+        time.sleep(1.0)
+    out["dead_dropped_s"] = time.monotonic() - killed
+    out["while_listed"] = while_listed
+    out["after_dropped"] = d.record_of(d.complete([*tokens, token_id(99)]))
     return out
 
 

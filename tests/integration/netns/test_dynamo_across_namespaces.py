@@ -3,8 +3,11 @@
 The frontend, etcd and NATS run in one namespace; workers A, B and (late) C each in their own,
 advertising their own addresses, UCX over tcp between them. The router's hint sends a request to
 B, whose kvcr reads the prefix from A across the bridge, every page verified; C joins late, is
-routed to, and its pages are read by a peer on the router's hint too. Every namespace (and so
-every veth pair and the bridge) is this test's own and removed.
+routed to, and its pages are read by a peer on the router's hint too. Then the churn: NATS and
+etcd each stopped while requests come in, the frontend restarted (a hinted read across namespaces
+after each), and C SIGKILLed while it holds a prefix no one else has (the frontend runs with
+Dynamo's ``--migration-limit 3``, so a request booked on C before the router drops it goes to a
+live worker). Every namespace (and so every veth pair and the bridge) is this test's own and removed.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ def test_the_router_hints_across_namespaces_and_a_late_worker_joins(tmp_path):
         }
         job = {"workdir": str(tmp_path / "deployment"), "token_file": str(token), "frontend_addr": hosts.addrs[0]}
         job["workers"] = workers
+        # Dynamo's request migration: without it the frontend answers 503 to a request it books on a
+        # killed worker before the worker's etcd lease expires (6 of 22 here, in one run)
+        job["router_args"] = ["--migration-limit", "3"]
         done = subprocess.run(
             [*hosts.exec_prefix(0), sys.executable, "-m", "tests.integration.dynamo.netns_flow", json.dumps(job)],
             cwd=REPO,
@@ -73,3 +79,32 @@ def test_the_router_hints_across_namespaces_and_a_late_worker_joins(tmp_path):
     assert "is read over NixlDataPlane, not shared memory" in logs["b"]
     assert not any("is read over shared memory" in text for text in logs.values())
     assert _namespaces() <= before
+    churn = out["churn"]
+    for server in ("nats", "etcd"):
+        outage = churn[server]
+        # every request during the outage answered from the prefix's holder (nothing recomputed)
+        assert len(outage["during"]) == 3 and all(r["computed_pages"] == 0 for r in outage["during"]), outage
+        assert_hinted_read(outage["after"], out["endpoints"]["a"])
+        again = outage["routable_again_s"]
+        print(f"{server} down {outage['down_s']:.1f} s: 3/3 answered; all routable again {again:.1f} s after")
+    assert_hinted_read(churn["after_frontend"], out["endpoints"]["a"])
+    listed = churn["while_listed"]
+    answered = [r for r in listed if "error" not in r]
+    assert len(answered) == len(listed), listed  # each one booked on dead C migrated to a live worker
+    missed = [r for r in answered if r["hint_source"] == out["endpoints"]["c"]]
+    assert all(r["peer_pages"] == 0 and r["mismatched_pages"] == 0 for r in missed)  # a miss, never bytes
+    after = churn["after_dropped"]
+    # the router forgot C with it: no hint names C (the prefix is served by whoever recomputed it meanwhile)
+    assert after["hint_source"] != out["endpoints"]["c"] and after["mismatched_pages"] == 0, after
+    print(
+        f"frontend restarted: routable {churn['frontend_routable_s']:.1f} s later; C SIGKILLed: dropped "
+        f"{churn['dead_dropped_s']:.1f} s later, {len(answered)}/{len(listed)} requests answered meanwhile, "
+        f"{len(missed)} of them hinted to dead C (each a miss, recomputed)"
+    )
+
+
+def assert_hinted_read(record: dict, source: str) -> None:
+    """A read across namespaces on the router's hint: another worker than A (B or C) read A's pages."""
+    assert record["worker"] != "a" and record["hint"] is True and record["hint_source"] == source, record
+    assert (record["peer_pages"], record["computed_pages"]) == (PREFIX_PAGES, 0)
+    assert record["verified"] is True and record["mismatched_pages"] == 0
