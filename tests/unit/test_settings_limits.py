@@ -124,7 +124,7 @@ def test_timings_are_converted_once_and_the_lease_margin_is_at_most_half_a_secon
     [
         ("ipc:///tmp/x", "kv_events_endpoint must be tcp://host:port, got 'ipc:///tmp/x'"),
         ("tcp://h:0", "kv_events_endpoint: endpoint port 0 is outside 1..65535"),
-        ("tcp://h", "kv_events_endpoint: endpoint 'tcp://:h' is not host:port"),
+        ("tcp://h", "kv_events_endpoint: endpoint 'tcp://h' is not host:port"),  # what was written, not a rebuilt ':h'
         ("tcp://h:x", "kv_events_endpoint: endpoint 'tcp://h:x' has no numeric port"),
         ("tcp://h:1:2", "kv_events_endpoint: endpoint 'tcp://h:1:2' is not host:port"),
     ],

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvcr import __version__
 from kvcr.container import InventoryFactory, KvEventsSettings, build_container
+from kvcr.domain.endpoints import bracketed, split_host_port
 from kvcr.domain.errors import ConfigError, LayoutError
 from kvcr.domain.keys import NamespaceSpec
 from kvcr.domain.pools import HitPolicy
@@ -281,10 +282,12 @@ def _kv_events(
     if endpoint is None or layout.rank_offset != 0:
         return None, None
     if layout.dp_rank:
-        head, _, port = endpoint.rpartition(":")
-        if int(port) + layout.dp_rank > 65535:
-            raise ConfigError(f"kv_events_endpoint port {port} + dp rank {layout.dp_rank} runs past 65535")
-        endpoint = f"{head}:{int(port) + layout.dp_rank}"
+        split = split_host_port(endpoint.removeprefix("tcp://"))  # checked when the settings were parsed
+        assert split is not None
+        port = int(split.port) + layout.dp_rank
+        if port > 65535:
+            raise ConfigError(f"kv_events_endpoint port {split.port} + dp rank {layout.dp_rank} runs past 65535")
+        endpoint = f"tcp://{bracketed(split.host) if split.bracketed else split.host}:{port}"
     registry = default_registry()
     registry.enable()  # the plugin's backup hook records page tokens from now on
 

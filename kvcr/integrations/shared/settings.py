@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcr.domain.deadlines import MAX_TIMEOUT_S, Timing
-from kvcr.domain.endpoints import WILDCARD_HOSTS
+from kvcr.domain.endpoints import WILDCARD_HOSTS, bracketed, split_host_port
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.eviction import POLICIES
 from kvcr.domain.hints import Endpoint
@@ -333,15 +333,16 @@ def _looks_numeric(text: str) -> bool:
 
 
 def _check_events_endpoint(endpoint: str) -> None:
-    host_port = endpoint[len("tcp://") :] if endpoint.startswith("tcp://") else None
-    if host_port is None:
+    if not endpoint.startswith("tcp://"):
         raise ConfigError(f"kv_events_endpoint must be tcp://host:port, got {_shown(endpoint)}")
-    host, _, port = host_port.rpartition(":")
-    if host in WILDCARD_HOSTS and host != "::":
+    split = split_host_port(endpoint[len("tcp://") :])
+    host, port, in_brackets = split if split is not None else ("", "", False)
+    if host in WILDCARD_HOSTS and (in_brackets or ":" not in host):
         # a wildcard bind is fine for a PUB; check the port only (an unbracketed "::" cannot be
         # followed by a port, so it is left for Endpoint.parse to refuse)
         host = "127.0.0.1"
+    shown = bracketed(host) if in_brackets else host
     try:
-        Endpoint.parse(f"tcp://{host}:{port}")
+        Endpoint.parse(f"tcp://{shown}:{port}" if split is not None else endpoint)
     except ValueError as exc:
         raise ConfigError(f"kv_events_endpoint: {exc}") from exc
