@@ -4,7 +4,8 @@ import argparse
 
 import pytest
 
-from kvcr.cli import _Help, _missing_extras, build_parser, main
+from kvcr.cli import _missing_extras, build_parser, main
+from kvcr.cli.common import _Help
 
 
 def subparsers(parser, path=("kvcr",)):
