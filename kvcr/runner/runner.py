@@ -2,10 +2,12 @@
 
 The runner is the service layer over two pieces of bookkeeping: one slot index per physical pool
 (``index.py``: slot states, claims, eviction, prefix alignment) and the lease table of what peers
-hold (``leases.py``). It owns the lock around them, the arenas (``pool_state.py`` checks their
-geometry against the engine's) and the copies, outside the lock and protected by slot state: a
-slot being filled is FILLING, a slot being read is claimed. ``accounting.py`` turns what each
-operation did into metrics and inventory events. Memory and peers are reached only through ports.
+hold (``leases.py``). It owns the lock around them (``guard.py``) and the arenas (``pool_state.py``
+checks their geometry against the engine's), and hands the work to two halves: ``copies.py``
+(backup and local restore, copying outside the lock, protected by slot state: a slot being filled
+is FILLING, a slot being read is claimed) and ``lease_desk.py`` (peers' leases). ``accounting.py``
+turns what each operation did into metrics and inventory events. Memory and peers are reached only
+through ports.
 
 Per page, a backup is all-or-nothing: a page becomes READY only after every component's piece
 was copied; a failed copy frees the page's slot and reports it unstored. With ``verify_bytes`` a
@@ -17,38 +19,33 @@ it read. Bytes that changed in the arena behind kvcr's back are therefore never 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvcr.domain.errors import ClosedError, ConfigError, DeadlineExceeded, KvcrError, LayoutError
+from kvcr.domain.errors import ConfigError, KvcrError, LayoutError
 from kvcr.domain.eviction import POLICIES
-from kvcr.domain.keys import check_page_hash
 from kvcr.domain.layout import RegionDescriptor, check_disjoint, page_extents
-from kvcr.domain.outcomes import RESTORED, PageOutcome, failed, miss
+from kvcr.domain.outcomes import PageOutcome
 from kvcr.domain.pools import PoolSpec
-from kvcr.domain.residency import SlotState
 from kvcr.ports.clock import Clock
-from kvcr.ports.errors import MemoryCopyError, RegistrationError
+from kvcr.ports.errors import RegistrationError
 from kvcr.ports.inventory import InventorySink
-from kvcr.ports.memory import HostMemory, Move
+from kvcr.ports.memory import HostMemory
 from kvcr.ports.metrics import Metrics
 from kvcr.runner.accounting import TierAccounting
 from kvcr.runner.arena import Arena
 from kvcr.runner.config import RunnerConfig
-from kvcr.runner.index import Entry, Fill, SlotIndex
-from kvcr.runner.leases import HeldLease, LeaseGrant, LeaseTable
-from kvcr.runner.pool_state import PoolState, merged_moves, page_moves
+from kvcr.runner.copies import TierCopies
+from kvcr.runner.guard import RunnerGuard
+from kvcr.runner.index import SlotIndex
+from kvcr.runner.lease_desk import LeaseDesk
+from kvcr.runner.leases import LeaseGrant, LeaseTable
+from kvcr.runner.pool_state import PoolState
 
 log = logging.getLogger(__name__)
-
-_READY = SlotState.READY
-_NOT_HELD = miss("not held")
-_CORRUPT = failed("bytes differ from their backup digest")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +80,6 @@ class QueryResult:
     prefix: int
 
 
-# One page's moves (its position in the batch, its entry) and a whole batch's coalesced moves.
-PageMoves = Callable[[int, Entry], list[Move]]
-BatchMoves = Callable[[list[tuple[int, Entry]]], list[Move]]
-
-
 class KvcrRunner:
     """The DRAM tier of one engine rank. Thread-safe."""
 
@@ -104,16 +96,11 @@ class KvcrRunner:
         self.namespaces = config.namespaces()
         # One digest naming the whole replica's key space, for logs and stats pages.
         self.namespace = hashlib.sha256(repr(sorted(self.namespaces.items())).encode()).hexdigest()[:16]
-        self._verify = config.verify_bytes
         self._memory = memory
         self._clock = clock
         self._metrics = metrics
         self._account = TierAccounting(metrics, inventory)
-        self._lock = threading.Lock()
-        self._quiet = threading.Condition(self._lock)
-        self._inflight = 0
-        self._closed = False
-        self._leases = LeaseTable(config.max_peer_leases)
+        self._guard = RunnerGuard(config.name, clock)
         slots = config.slots_per_pool()
         self._pools: dict[str, PoolState] = {}
         try:
@@ -124,8 +111,25 @@ class KvcrRunner:
             self._release_arenas()
             raise
         check_disjoint([r for p in self._pools.values() if p.arena for r in p.arena.regions])
-        # What a peer may lease from: the physical pools' indexes (fixed for the runner's life).
-        self._leasable = {name: p.index for name, p in self._pools.items() if p.arena is not None}
+        physical = {name: p for name, p in self._pools.items() if p.arena is not None}
+        self._desk = LeaseDesk(
+            self._guard,
+            LeaseTable(config.max_peer_leases),
+            {name: p.index for name, p in physical.items()},  # what a peer may lease from
+            {name: p.spec.page_bytes for name, p in physical.items()},
+            self._account,
+            clock,
+            config.timing.lease_s,
+        )
+        self._copies = TierCopies(
+            self._guard,
+            memory,
+            clock,
+            self._account,
+            operation_s=config.timing.operation_s,
+            verify=config.verify_bytes,
+            expire_leases=self._desk.expire_now,
+        )
         self._gauges()
 
     def _index(self, arena: Arena | None) -> SlotIndex:
@@ -189,11 +193,11 @@ class KvcrRunner:
         """
         state = self._physical(pool)
         new = state.canonical_host(regions)
-        with self._lock:
-            self._check_open()
+        with self._guard.lock:
+            self._guard.check_open()
             if state.host == new:
                 return new
-            if state.host is not None and self._inflight:
+            if state.host is not None and self._guard.inflight:
                 raise LayoutError(f"pool {pool!r}: host regions cannot change while operations are in flight")
             others = [r for p in self._pools.values() if p is not state and p.host for r in p.host]
             check_disjoint([*others, *new, *self.arena_regions()])
@@ -215,88 +219,17 @@ class KvcrRunner:
         ``page_hashes`` are in prefix order; ``parent`` is the page before the first one (for
         prefix-recency alignment and inventory events). Pages already held count as stored.
         """
-        state = self._physical(pool)
-        host = state.check_batch(page_hashes, host_slots)
-        arena = state.arena_regions()
-        return self._backup(
-            state,
-            page_hashes,
-            lambda i, e: page_moves(arena, e.slot, host, host_slots[i]),
-            lambda fills: merged_moves(arena, host, [(e.slot, host_slots[i]) for i, e in fills]),
-            parent,
-        )
+        return self._copies.backup(self._physical(pool), page_hashes, host_slots, parent)
 
     def store_page(self, pool: str, page_hash: str, sources: Sequence[int]) -> bool:
         """Back up one page from arbitrary addresses, one per component (SGLang's copy path)."""
-        state = self._physical(pool)
-        arena = state.arena_regions()
-        if len(sources) != len(arena):
-            raise LayoutError(f"pool {pool!r} has {len(arena)} components, {len(sources)} sources given")
-        return self._backup(
-            state,
-            [page_hash],
-            lambda _, e: [Move(r.address(e.slot), src, r.piece_bytes) for r, src in zip(arena, sources, strict=True)],
-            None,
-            None,
-        )[0]
-
-    def _backup(
-        self,
-        state: PoolState,
-        page_hashes: Sequence[str],
-        moves_of: PageMoves,
-        merged: BatchMoves | None,
-        parent: str | None,
-    ) -> list[bool]:
-        if parent is not None:
-            check_page_hash(parent)
-        deadline = self._clock.now() + self.config.timing.operation_s
-        with self._locked(deadline):
-            self._check_open()
-            results, fills, evicted = state.index.begin_fills(page_hashes, parent, self._expire_now)
-            self._account.evicted(state, evicted)
-            self._inflight += 1
-        copied = False
-        try:
-            if fills:
-                digests = self._copy(state, page_hashes, [(i, e) for i, _, e in fills], moves_of, merged)
-                if digests is not None:  # of kvcr's own copy; FILLING, so nobody else reads these entries yet
-                    for (_, _, entry), digest in zip(fills, digests, strict=True):
-                        entry.digest = digest
-            copied = True
-        except MemoryCopyError as exc:
-            log.warning("backup of %d pages of pool %s failed: %s", len(fills), state.spec.name, exc)
-        finally:
-            with self._lock:
-                self._finish_backup(state, fills, copied, results, page_hashes, parent)
-                self._inflight -= 1
-                self._quiet.notify_all()
-        return results
-
-    def _copy(
-        self,
-        state: PoolState,
-        page_hashes: Sequence[str],
-        items: list[tuple[int, Entry]],
-        moves_of: PageMoves,
-        merged: BatchMoves | None,
-    ) -> list[bytes] | None:
-        """Copy the items' pages; with ``verify_bytes`` return, per item, the digest of what landed.
-
-        Verified copies go page by page, hashed while they copy (``HostMemory.copy_digested``);
-        the others go as one coalesced batch where the caller can plan one.
-        """
-        if self._verify:
-            seeds = [state.seed(page_hashes[i]) for i, _ in items]
-            return self._memory.copy_digested([moves_of(i, e) for i, e in items], seeds)
-        self._memory.copy(merged(items) if merged is not None else [m for i, e in items for m in moves_of(i, e)])
-        return None
+        return self._copies.store_page(self._physical(pool), page_hash, sources)
 
     def exists(self, pool: str, page_hashes: Sequence[str]) -> list[bool]:
         """Per page, whether it is READY in kvcr DRAM now."""
         state = self._physical(pool)
-        with self._lock:
-            self._check_open()
+        with self._guard.lock:
+            self._guard.check_open()
             return state.index.present(page_hashes)
 
     def query(self, pool: str, page_hashes: Sequence[str]) -> QueryResult:
@@ -318,76 +251,11 @@ class KvcrRunner:
         With ``prefix_only`` the restore stops at the first page not held (an engine consumes
         only the leading run, so copying past a hole is wasted bandwidth).
         """
-        state = self._physical(pool)
-        host = state.check_batch(page_hashes, host_slots)
-        arena = state.arena_regions()
-        return self._restore(
-            state,
-            page_hashes,
-            lambda i, e: page_moves(host, host_slots[i], arena, e.slot),
-            lambda claimed: merged_moves(host, arena, [(host_slots[i], e.slot) for i, e in claimed]),
-            prefix_only,
-        )
+        return self._copies.restore(self._physical(pool), page_hashes, host_slots, prefix_only)
 
     def load_page(self, pool: str, page_hash: str, destinations: Sequence[int]) -> bool:
         """Restore one page to arbitrary addresses, one per component (SGLang's copy path)."""
-        state = self._physical(pool)
-        arena = state.arena_regions()
-        if len(destinations) != len(arena):
-            raise LayoutError(f"pool {pool!r} has {len(arena)} components, {len(destinations)} destinations given")
-        return self._restore(
-            state,
-            [page_hash],
-            lambda _, e: [
-                Move(dst, r.address(e.slot), r.piece_bytes) for r, dst in zip(arena, destinations, strict=True)
-            ],
-            None,
-            False,
-        )[0].restored
-
-    def _restore(
-        self,
-        state: PoolState,
-        page_hashes: Sequence[str],
-        moves_of: PageMoves,
-        merged: BatchMoves | None,
-        prefix_only: bool,
-    ) -> list[PageOutcome]:
-        started = self._clock.now()
-        deadline = started + self.config.timing.operation_s
-        outcomes: list[PageOutcome] = [_NOT_HELD] * len(page_hashes)
-        with self._locked(deadline):
-            self._check_open()
-            claimed = state.index.claim_ready(page_hashes, prefix_only=prefix_only)
-            self._inflight += 1
-        copied = False
-        corrupt: list[int] = []
-        try:
-            if claimed:
-                digests = self._copy(state, page_hashes, claimed, moves_of, merged)
-                if digests is not None:  # what landed in the host page must match the backup digest
-                    corrupt = [i for (i, entry), d in zip(claimed, digests, strict=True) if d != entry.digest]
-            copied = True
-        except MemoryCopyError as exc:
-            log.warning("restore of %d pages of pool %s failed: %s", len(claimed), state.spec.name, exc)
-        finally:
-            with self._lock:
-                outcome = RESTORED if copied else failed("local copy failed")
-                bad = set(corrupt)
-                index = state.index
-                for i, entry in claimed:
-                    outcomes[i] = _CORRUPT if i in bad else outcome
-                    if i in bad:
-                        if index.discard(page_hashes[i], entry):
-                            self._account.removed(state, page_hashes[i])
-                    else:
-                        index.unclaim(entry)
-                self._inflight -= 1
-                self._quiet.notify_all()
-        self._account.local_restore(
-            state, len(page_hashes), len(claimed), len(corrupt), copied, self._clock.now() - started
-        )
-        return outcomes
+        return self._copies.load_page(self._physical(pool), page_hash, destinations)
 
     def lease(self, requests: Sequence[tuple[str, Sequence[str]]], duration_s: float, *, holder: int = 0) -> LeaseGrant:
         """Hold READY pages for a peer until the lease expires on our clock or is released.
@@ -398,73 +266,37 @@ class KvcrRunner:
         granted as -1: from a peer they are misses, not errors. ``duration_s`` is capped at the
         configured lease length. Lease ids are random 63-bit numbers, never reused.
         """
-        duration = min(max(duration_s, 0.0), self.config.timing.lease_s)
-        pools = self._pools
-        with self._lock:
-            self._check_open()
-            now = self._clock.now()
-            self._expire_leases(now)
-            grant, leased = self._leases.lease(requests, self._leasable, holder, now, duration)
-        pages = sum(leased.values())
-        served = sum(n * pools[pool].spec.page_bytes for pool, n in leased.items())
-        self._account.served(pages, served)
-        self._account.leases(len(self._leases))
-        return grant
+        return self._desk.lease(requests, duration_s, holder)
 
     def leased_slots(self, lease_id: int) -> dict[str, set[int]] | None:
         """The slots a live lease holds, per pool; None when the lease is unknown or expired."""
-        with self._lock:
-            self._expire_leases(self._clock.now())
-            held = self._leases.get(lease_id)
-            if held is None:
-                return None
-            slots: dict[str, set[int]] = {}
-            for pool, entry in held.claims:
-                slots.setdefault(pool, set()).add(entry.slot)
-            return slots
+        return self._desk.leased_slots(lease_id)
 
     def stop_leasing(self) -> None:
         """Grant nothing from now on (shutdown); releases and expiry keep working."""
-        with self._lock:
-            self._leases.leasing = False
+        self._desk.stop()
 
     def wait_for_leases(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` (real time) for peers to release or let expire every lease; returns those left."""
-        give_up = time.monotonic() + max(0.0, timeout_s)
-        with self._lock:
-            while self._leases and time.monotonic() < give_up:
-                self._expire_leases(self._clock.now())
-                if self._leases:
-                    self._quiet.wait(timeout=min(0.05, max(0.0, give_up - time.monotonic())))
-            return len(self._leases)
+        return self._desk.wait(timeout_s)
 
     def release_lease(self, lease_id: int) -> bool:
         """End a lease early; False when it is unknown (released, expired or never granted)."""
-        with self._lock:
-            held = self._leases.release(lease_id)
-            if held is None:
-                return False
-            self._drop_claims(held)
-            self._quiet.notify_all()
-            self._account.leases(len(self._leases))
-        return True
+        return self._desk.release(lease_id)
 
     def expire_leases(self) -> int:
         """End every lease past its deadline on our clock; returns how many ended."""
-        with self._lock:
-            return self._expire_leases(self._clock.now())
+        return self._desk.expire()
 
     @property
     def active_leases(self) -> int:
         """Leases live now (one past its deadline is ended here, not counted)."""
-        with self._lock:
-            self._expire_leases(self._clock.now())
-            return len(self._leases)
+        return self._desk.active()
 
     def clear(self) -> None:
         """Drop every page; slots still being read or filled are freed when that ends."""
-        with self._lock:
-            self._check_open()
+        with self._guard.lock:
+            self._guard.check_open()
             for state in self._pools.values():
                 state.index.clear()
             self._account.cleared()
@@ -473,7 +305,7 @@ class KvcrRunner:
     def stats(self) -> RunnerStats:
         """A snapshot of occupancy per pool plus the counters."""
         pools = []
-        with self._lock:
+        with self._guard.lock:
             for state in self._pools.values():
                 index = state.index
                 ready, filling, discarding, claimed = index.counts()
@@ -504,20 +336,21 @@ class KvcrRunner:
             KvcrError: our own operations still touch kvcr memory after the abandonment budget;
                 nothing was deregistered or freed.
         """
-        self.stop_leasing()
-        self.wait_for_leases(lease_wait_s)
-        with self._lock:
-            if self._closed:
+        self._desk.stop()
+        self._desk.wait(lease_wait_s)
+        guard = self._guard
+        with guard.lock:
+            if guard.closed:
                 return
-            self._closed = True
+            guard.closed = True
             # Bounded in real time too, so an injected clock that never moves cannot hang close().
             give_up = time.monotonic() + self.config.timing.abandon_s
-            while self._inflight and time.monotonic() < give_up:
-                self._quiet.wait(timeout=0.05)
-            if self._inflight:
-                raise KvcrError(f"close: {self._inflight} operations still touch kvcr memory; memory kept")
-            self._expire_leases(self._clock.now())
-            pinned = self._leases.pinned_pools()
+            while guard.inflight and time.monotonic() < give_up:
+                guard.quiet.wait(timeout=0.05)
+            if guard.inflight:
+                raise KvcrError(f"close: {guard.inflight} operations still touch kvcr memory; memory kept")
+            self._desk.expire_now()
+            pinned = self._desk.pinned_pools()
             for state in self._pools.values():
                 state.index.forget()
         if on_quiescent is not None:
@@ -534,42 +367,12 @@ class KvcrRunner:
     def _gauges(self) -> None:
         for state in self._pools.values():
             self._account.pool_gauges(state)
-        self._account.leases(len(self._leases))
-
-    def _expire_leases(self, now: float) -> int:
-        expired = self._leases.expire(now)
-        for held in expired:
-            self._drop_claims(held)
-        if expired:
-            self._account.leases(len(self._leases), expired=len(expired))
-            self._quiet.notify_all()
-        return len(expired)
-
-    def _expire_now(self) -> None:
-        self._expire_leases(self._clock.now())
-
-    def _drop_claims(self, held: HeldLease) -> None:
-        pools = self._pools
-        for pool, entry in held.claims:
-            pools[pool].index.unpin(entry)
+        self._account.leases(len(self._desk))
 
     def _release_arenas(self, keep: set[str] | frozenset[str] = frozenset()) -> None:
         for state in self._pools.values():
             if state.arena is not None and state.spec.name not in keep:
                 state.arena.release()
-
-    @contextlib.contextmanager
-    def _locked(self, deadline: float) -> Iterator[None]:
-        if not self._lock.acquire(timeout=max(0.0, deadline - self._clock.now())):
-            raise DeadlineExceeded("runner lock not acquired before the operation deadline")
-        try:
-            yield
-        finally:
-            self._lock.release()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"runner {self.config.name!r} is closed")
 
     def _physical(self, pool: str) -> PoolState:
         state = self._pools.get(pool)
@@ -578,28 +381,3 @@ class KvcrRunner:
         if state.arena is None:
             raise LayoutError(f"pool {pool!r} is logical: it holds no bytes to back up or restore")
         return state
-
-    def _finish_backup(
-        self,
-        state: PoolState,
-        fills: list[Fill],
-        copied: bool,
-        results: list[bool],
-        page_hashes: Sequence[str],
-        parent: str | None,
-    ) -> None:
-        index = state.index
-        stored = index.finish_fills(fills, copied)
-        for i, _ in stored:
-            results[i] = True
-        if len(stored) == len(page_hashes):
-            ready = list(page_hashes)  # the common batch: every page is new and now READY
-        else:
-            ready = []
-            for i, page in enumerate(page_hashes):
-                if index.is_ready(page):
-                    ready.append(page)
-                    results[i] = True  # also a page listed twice in one batch
-        if ready:
-            index.admit(ready)
-        self._account.backup(state, page_hashes, parent, stored, len(ready), 0 if copied else len(fills))
