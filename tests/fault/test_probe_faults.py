@@ -44,39 +44,34 @@ def test_a_hit_query_before_the_probe_ends_still_answers_within_the_operation_de
 
 def test_a_probe_stopped_mid_read_past_its_bound_finishes_and_abandons_nothing(monkeypatch):
     """The process stops (SIGSTOP, a freezer cgroup, swapping) while a probe READ is in flight."""
-    import nixl._api
-
     from kvcr.adapters.nixl import probe
 
     monkeypatch.setenv("UCX_TLS", "tcp")  # a READ stays in flight until the source agent progresses
     stopped = [0.0]
-    posts = [0]
-    real_transfer = nixl._api.nixl_agent.transfer
+    posts: list[int] = []
 
-    def transfer(self, *args, **kwargs):
-        state = real_transfer(self, *args, **kwargs)
-        posts[0] += 1
-        if posts[0] == 2:  # the first timed READ is in flight: the process is stopped for 10 s
+    def posted(attempt: int) -> None:
+        posts.append(attempt)
+        if attempt == 1:  # the first timed READ is in flight: the process is stopped for 10 s
             stopped[0] += 10.0
-        return state
 
-    class Clock:
-        sleep = staticmethod(time.sleep)
+    class StoppedClock:
+        """Real time, plus the 10 s the process spent stopped."""
 
         @staticmethod
-        def monotonic():
+        def monotonic() -> float:
             return time.monotonic() + stopped[0]
 
         @staticmethod
-        def perf_counter():
+        def perf_counter() -> float:
             return time.perf_counter() + stopped[0]
 
-    monkeypatch.setattr(nixl._api.nixl_agent, "transfer", transfer)
-    monkeypatch.setattr(probe, "time", Clock)
     abandoned = len(probe._abandoned)
-    report = probe.check_zero_copy(backend_params={"ucx_devices": "lo"}, timeout_s=5.0)
+    report = probe.check_zero_copy(
+        backend_params={"ucx_devices": "lo"}, timeout_s=5.0, clock=StoppedClock, on_post=posted
+    )
     assert len(probe._abandoned) == abandoned, "a probe READ was abandoned with its agents"
-    assert posts[0] == 6  # the wire-up READ and five timed ones
+    assert posts == [0, 1, 2, 3, 4, 5]  # the wire-up READ and five timed ones
     assert not report.zero_copy and "did not complete" not in " ".join(report.causes), report.causes
 
 

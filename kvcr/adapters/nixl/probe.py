@@ -32,9 +32,9 @@ import ctypes
 import itertools
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 _PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 _CAP_SYS_PTRACE = 19
@@ -83,6 +83,8 @@ def check_zero_copy(
     repeats: int = 5,
     solo_s: float = 0.5,
     timeout_s: float = 5.0,
+    clock: ProbeClock = time,
+    on_post: Callable[[int], None] | None = None,
 ) -> ZeroCopyReport:
     """Run loopback NIXL READs between two throwaway agents of this process; did UCX find a zero-copy path?
 
@@ -102,6 +104,9 @@ def check_zero_copy(
         timeout_s: bound on the whole probe; a READ that does not finish by then is a fallback
             (each READ still gets ``_ASSIST_MIN_S`` of its source's help, so one that outlived
             the bound only because this process was stopped ends rather than being abandoned).
+        clock: where the READs' deadlines and timings come from (``time``; a test stands in a
+            clock that jumps, as for a process stopped mid-READ).
+        on_post: called with each READ's number (0: the wire-up READ) right after it is posted.
 
     Returns:
         The report; it never raises for a slow or failed probe (that is what it reports).
@@ -111,7 +116,7 @@ def check_zero_copy(
     memcpy_gbps = _memmove_gbps(nbytes, repeats)
     causes: list[str] = []
     try:
-        measured = _loopback_reads(dict(backend_params or {}), nbytes, repeats, timeout_s, solo_s)
+        measured = _loopback_reads(dict(backend_params or {}), nbytes, repeats, timeout_s, solo_s, clock, on_post)
         read_gbps = nbytes / measured.best_s / 1e9 if measured.solo_reads else 0.0
         if not measured.solo_reads:
             causes.append(
@@ -143,6 +148,14 @@ def _memmove_gbps(nbytes: int, repeats: int) -> float:
     return nbytes / best / 1e9
 
 
+class ProbeClock(Protocol):
+    """What the probe reads the time from (the ``time`` module has both)."""
+
+    def monotonic(self) -> float: ...
+
+    def perf_counter(self) -> float: ...
+
+
 @dataclass(frozen=True, slots=True)
 class _Measured:
     solo_reads: int  # READs that completed while only the target progressed
@@ -150,11 +163,19 @@ class _Measured:
     best_s: float  # fastest solo READ (inf when none)
 
 
-def _loopback_reads(params: dict[str, str], nbytes: int, repeats: int, timeout_s: float, solo_s: float) -> _Measured:
+def _loopback_reads(
+    params: dict[str, str],
+    nbytes: int,
+    repeats: int,
+    timeout_s: float,
+    solo_s: float,
+    clock: ProbeClock,
+    on_post: Callable[[int], None] | None,
+) -> _Measured:
     from nixl._api import nixl_agent, nixl_agent_config
 
     tag = f"kvcr-probe-{os.getpid()}-{next(_probe_ids)}"
-    deadline = time.monotonic() + timeout_s
+    deadline = clock.monotonic() + timeout_s
     agents: list[Any] = []
     handles: list[Any] = []
     try:
@@ -178,20 +199,22 @@ def _loopback_reads(params: dict[str, str], nbytes: int, repeats: int, timeout_s
         for attempt in range(max(repeats, 1) + 1):
             # The first READ wires the endpoint up, which needs both sides; after that a real RMA
             # path (CMA, RDMA) completes with only the target progressing, an emulated one cannot.
-            alone_until = time.monotonic() + (solo_s if attempt else 0.0)
-            start = time.perf_counter()
+            alone_until = clock.monotonic() + (solo_s if attempt else 0.0)
+            start = clock.perf_counter()
             xfer = target.initialize_xfer("READ", local, remote, peer)
             state = target.transfer(xfer)
-            while state == "PROC" and time.monotonic() < alone_until:
+            if on_post is not None:
+                on_post(attempt)
+            while state == "PROC" and clock.monotonic() < alone_until:
                 state = target.check_xfer_state(xfer)
-            elapsed = time.perf_counter() - start
+            elapsed = clock.perf_counter() - start
             helped = state == "PROC"
             # At least _ASSIST_MIN_S of help, whatever the bound says: both agents are ours, so a
             # READ that outlived the bound only because this process was stopped (SIGSTOP, a
             # freezer cgroup) ends as soon as the source progresses; abandoning it would keep
             # both agents alive for the life of the process.
-            assist_until = max(deadline, time.monotonic() + _ASSIST_MIN_S)
-            while state == "PROC" and time.monotonic() < assist_until:
+            assist_until = max(deadline, clock.monotonic() + _ASSIST_MIN_S)
+            while state == "PROC" and clock.monotonic() < assist_until:
                 source.get_new_notifs()
                 state = target.check_xfer_state(xfer)
             if state == "PROC":
