@@ -118,7 +118,7 @@ def ids_of(text: str) -> list[int]:
     ids = []
     for piece in text.split():
         if piece in ROLES:
-            ids.append(len(SPECIAL) + WORDS + ROLES.index(piece))
+            ids.append(role(piece[:-1]))
         elif piece.startswith("w") and piece[1:].isdigit() and int(piece[1:]) < WORDS:
             ids.append(token_id(int(piece[1:])))
         else:

@@ -168,6 +168,69 @@ def kvcr_extra_config(control_port: int, **settings: Any) -> dict[str, Any]:
     }
 
 
+def kvcr_l3_args(extra_config: Mapping[str, Any]) -> tuple[str, ...]:
+    """SGLang's flags for HiCache with kvcr as its L3 (write-through, the documented dynamic backend)."""
+    return (
+        "--enable-hierarchical-cache",
+        "--hicache-write-policy", "write_through",
+        "--hicache-storage-backend", "dynamic",
+        "--hicache-storage-backend-extra-config", json.dumps(dict(extra_config)),
+    )  # fmt: skip
+
+
+def cpu_engine_environment(base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` plus what a CPU SGLang engine needs: shims and stubs first on its path, caches in the repo."""
+    env = dict(base)
+    for var, sub in (
+        ("SGLANG_CACHE_DIR", "sglang"),
+        ("TORCH_EXTENSIONS_DIR", "torch_extensions"),
+        ("TRITON_CACHE_DIR", "triton"),
+        ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+        ("HF_HOME", "huggingface"),
+        ("OUTLINES_CACHE_DIR", "outlines"),
+    ):
+        env.setdefault(var, str(REPO / ".cache" / sub))
+    path = [str(SHIMS), str(REPO), env.get("PYTHONPATH", ""), str(STUBS)]
+    env["PYTHONPATH"] = os.pathsep.join(part for part in path if part)
+    env |= {
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    return env
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """SIGTERM ``proc``'s process group (SIGCONT first, in case a test froze it), SIGKILL after ``grace_s``."""
+    for sig in (signal.SIGCONT, signal.SIGTERM):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the scheduler and detokenizer children too
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as ``{'name{labels}': value}``."""
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                samples[name] = float(value)
+    return samples
+
+
+def metric_sum(samples: Mapping[str, float], name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples that carry ``labels`` (and any others)."""
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    return sum(v for sample, v in samples.items() if sample.startswith(name + "{") and all(w in sample for w in wanted))
+
+
 class EngineError(RuntimeError):
     """The server did not start, died, or answered an error; the message ends with its log's tail."""
 
@@ -198,12 +261,7 @@ class EngineServer:
 
     def command(self) -> list[str]:
         extra = kvcr_extra_config(self.control_port, **self.kvcr_settings)
-        cache = (
-            "--enable-hierarchical-cache",
-            "--hicache-write-policy", "write_through",
-            "--hicache-storage-backend", "dynamic",
-            "--hicache-storage-backend-extra-config", json.dumps(extra),
-        ) if self.reuse else ("--disable-radix-cache",)  # fmt: skip
+        cache = kvcr_l3_args(extra) if self.reuse else ("--disable-radix-cache",)
         return [
             sys.executable, "-m", "sglang.launch_server",
             "--model-path", str(self.model),
@@ -217,26 +275,7 @@ class EngineServer:
         ]  # fmt: skip
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        for var, sub in (
-            ("SGLANG_CACHE_DIR", "sglang"),
-            ("TORCH_EXTENSIONS_DIR", "torch_extensions"),
-            ("TRITON_CACHE_DIR", "triton"),
-            ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
-            ("HF_HOME", "huggingface"),
-            ("OUTLINES_CACHE_DIR", "outlines"),
-        ):
-            env.setdefault(var, str(REPO / ".cache" / sub))
-        path = [str(SHIMS), str(REPO), env.get("PYTHONPATH", ""), str(STUBS)]
-        env["PYTHONPATH"] = os.pathsep.join(part for part in path if part)
-        env |= {
-            "SGLANG_USE_CPU_ENGINE": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-        env |= dict(self.env)
-        return env
+        return cpu_engine_environment(os.environ) | dict(self.env)
 
     def start(self, timeout_s: float = 180.0) -> EngineServer:
         """Start the server and wait until it serves (``/health`` answers 200), at most ``timeout_s``."""
@@ -278,18 +317,8 @@ class EngineServer:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the process group (SIGCONT first, in case a test froze it), SIGKILL after ``grace_s``."""
-        proc = self.proc
-        if proc is None:
-            return
-        for sig in (signal.SIGCONT, signal.SIGTERM):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(grace_s)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the scheduler and detokenizer children too
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
+        if self.proc is not None:
+            stop_process_group(self.proc, grace_s)
 
     def signal(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the whole server (SIGSTOP freezes it, SIGKILL kills it); a server already gone is fine."""
@@ -339,14 +368,7 @@ class EngineServer:
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` as ``{'name{labels}': value}`` (kvcr's series join SGLang's)."""
-        text = self._request("GET", "/metrics", timeout_s=10.0, raw=True)
-        samples: dict[str, float] = {}
-        for line in str(text).splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                with contextlib.suppress(ValueError):
-                    samples[name] = float(value)
-        return samples
+        return parse_metrics(str(self._request("GET", "/metrics", timeout_s=10.0, raw=True)))
 
     def kvcr_pages(self, path: str, outcome: str = "ok") -> int:
         """``kvcr_pages_total{path, outcome}`` summed over the server's ranks."""
@@ -354,12 +376,7 @@ class EngineServer:
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of ``name``'s samples on ``/metrics`` that carry ``labels`` (and any others)."""
-        wanted = [f'{key}="{value}"' for key, value in labels.items()]
-        total = 0.0
-        for sample, value in self.metrics().items():
-            if sample.startswith(name + "{") and all(label in sample for label in wanted):
-                total += value
-        return total
+        return metric_sum(self.metrics(), name, **labels)
 
     def _request(self, method: str, path: str, body: Any = None, *, timeout_s: float, raw: bool = False) -> Any:
         data = None if body is None else json.dumps(body).encode()

@@ -10,10 +10,7 @@ The demo on real engines and ``tests/engine`` start workers through :func:`start
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import time
 import urllib.request
@@ -23,7 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from kvcr.demo.dynamo.deployment import Deployment, DeploymentError, free_port, free_system_port, log_tail
-from kvcr.testing.engine import CPU_FLAGS, PAGE_SIZE, REPO, SHIMS, STUBS, kvcr_extra_config
+from kvcr.testing.engine import (
+    CPU_FLAGS,
+    PAGE_SIZE,
+    cpu_engine_environment,
+    kvcr_extra_config,
+    kvcr_l3_args,
+    metric_sum,
+    parse_metrics,
+    stop_process_group,
+)
 
 SERVED_MODEL = "tiny"
 
@@ -57,15 +63,7 @@ class SglangWorker:
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM the worker's process group (its scheduler too), SIGKILL after ``grace_s``."""
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(grace_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)  # a scheduler child that outlived its parent
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(10)
+        stop_process_group(self.process, grace_s)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -76,11 +74,7 @@ class SglangWorker:
 
     def kvcr_pages(self, path: str, outcome: str = "ok") -> int:
         """``kvcr_pages_total{path, outcome}`` on the worker's own /metrics, summed over its ranks."""
-        total = 0.0
-        for line in self.metrics_text().splitlines():
-            if line.startswith("kvcr_pages_total{") and f'path="{path}"' in line and f'outcome="{outcome}"' in line:
-                total += float(line.rsplit(" ", 1)[1])
-        return int(total)
+        return int(metric_sum(parse_metrics(self.metrics_text()), "kvcr_pages_total", path=path, outcome=outcome))
 
 
 def worker_args(model: Path, control_port: int, events_port: int, spec: SglangWorkerSpec) -> list[str]:
@@ -92,8 +86,7 @@ def worker_args(model: Path, control_port: int, events_port: int, spec: SglangWo
         "--model-path", str(model), "--served-model-name", SERVED_MODEL,
         *CPU_FLAGS,
         "--page-size", str(PAGE_SIZE), "--max-total-tokens", str(spec.max_total_tokens),
-        "--enable-hierarchical-cache", "--hicache-write-policy", "write_through",
-        "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(extra),
+        *kvcr_l3_args(extra),
         "--enable-metrics",
         # SGLang's KV events feed the router's event-driven indexer, without which it attaches no hints
         "--kv-events-config", json.dumps({"publisher": "zmq", "topic": "kv-events", "endpoint": f"tcp://*:{events_port}"}),
@@ -102,19 +95,11 @@ def worker_args(model: Path, control_port: int, events_port: int, spec: SglangWo
 
 
 def cpu_environment(base: Mapping[str, str], system_port: int) -> dict[str, str]:
-    """The worker's environment: the CPU shims and stubs on its ``PYTHONPATH``, caches in the repo."""
-    env = dict(base)
-    for var, sub in (("SGLANG_CACHE_DIR", "sglang"), ("TORCH_EXTENSIONS_DIR", "torch_extensions")):
-        env.setdefault(var, str(REPO / ".cache" / sub))
-    path = [str(SHIMS), str(REPO), env.get("PYTHONPATH", ""), str(STUBS)]
-    env.update(
-        PYTHONPATH=":".join(part for part in path if part),
-        SGLANG_USE_CPU_ENGINE="1",
-        KVCR_ENGINE_CPU_OP_PLACEHOLDERS="1",
-        DYN_SYSTEM_PORT=str(system_port),
-        PYTHONUNBUFFERED="1",
-    )
-    return env
+    """The worker's environment: a CPU engine's (shims, stubs, caches in the repo), Dynamo's op placeholders."""
+    return cpu_engine_environment(base) | {
+        "KVCR_ENGINE_CPU_OP_PLACEHOLDERS": "1",
+        "DYN_SYSTEM_PORT": str(system_port),
+    }
 
 
 def start_sglang_worker(deployment: Deployment, model: Path, spec: SglangWorkerSpec) -> SglangWorker:
