@@ -34,7 +34,8 @@ from dependency_injector import containers, providers
 
 from kvcr.domain.transports import SHARES_MEMORY, Transport
 from kvcr.runner.config import RunnerConfig
-from kvcr.runner.node import NodeSettings, RunnerNode
+from kvcr.runner.node import HostRegions, NodeSettings, RunnerNode, expose_arenas, make_peer_client, make_staging_pool
+from kvcr.runner.peer_server import PeerServer
 from kvcr.runner.prefetch import PrefetchBook
 from kvcr.runner.restore import Restorer
 from kvcr.runner.runner import KvcrRunner
@@ -287,14 +288,24 @@ class Container(containers.DeclarativeContainer):
         mock=providers.Singleton(_mock_control, fabric, node_settings, clock),
         zmq=providers.Singleton(_zmq_control, node_settings, metrics),
     )
+    # The node's parts, in the order they register with the data plane: the arenas peers read
+    # (exposed), the staging buffers, then the engine's host regions as the engine registers them.
+    exposed_arenas = providers.Singleton(expose_arenas, runner, data_plane)
+    peer_server = providers.Singleton(PeerServer, runner, data_plane, exposed_arenas, metrics)
+    staging = providers.Singleton(make_staging_pool, memory, data_plane, node_settings)
+    host_regions = providers.Singleton(HostRegions, runner, data_plane)
+    peer_client = providers.Singleton(
+        make_peer_client, runner, control, data_plane, memory, clock, metrics, node_settings, host_regions, staging
+    )
     node = providers.Singleton(
         RunnerNode,
         runner,
         data_plane,
         control,
-        memory=memory,
-        clock=clock,
-        metrics=metrics,
+        server=peer_server,
+        client=peer_client,
+        staging=staging,
+        host_regions=host_regions,
         settings=node_settings,
     )
     prefetch_book = providers.Singleton(_prefetch_book, node)

@@ -88,8 +88,69 @@ class NodeSettings:
         return str(Endpoint(self.advertise_host or self.control_host, self.control_port))
 
 
+class HostRegions:
+    """The engine's host regions, registered *privately* with the data plane, once per layout.
+
+    Reads land there; they are never described to a peer. The peer client asks for a pool's ids
+    through :meth:`ids` (empty until the engine registered the pool).
+    """
+
+    def __init__(self, runner: KvcrRunner, data_plane: DataPlane) -> None:
+        self._runner = runner
+        self._data_plane = data_plane
+        self._lock = threading.Lock()
+        self._ids: dict[str, tuple[tuple[RegionDescriptor, ...], tuple[int, ...]]] = {}
+
+    def ids(self, pool: str) -> tuple[int, ...]:
+        """The data-plane ids of ``pool``'s host regions (LayoutError-free: empty when unregistered)."""
+        with self._lock:
+            entry = self._ids.get(pool)
+        return entry[1] if entry is not None else ()
+
+    def register(self, pool: str, regions: Sequence[RegionDescriptor]) -> tuple[RegionDescriptor, ...]:
+        """Register an engine host pool with the runner and, once per layout, with the data plane."""
+        canonical = self._runner.register_host_pool(pool, regions)
+        with self._lock:
+            previous = self._ids.get(pool)
+            if previous is not None and previous[0] == canonical:
+                return canonical
+            if previous is not None:
+                self._data_plane.deregister(previous[1])
+            self._ids[pool] = (canonical, self._data_plane.register(canonical, exposed=False))
+        return canonical
+
+
+def expose_arenas(runner: KvcrRunner, data_plane: DataPlane) -> dict[str, tuple[int, ...]]:
+    """Register every pool's arena with the data plane as *exposed*: what peers may read."""
+    return {pool: data_plane.register(regions, exposed=True) for pool, regions in runner.pool_arenas().items()}
+
+
+def make_staging_pool(memory: HostMemory, data_plane: DataPlane, settings: NodeSettings) -> StagingPool:
+    """The bounce buffers a staged read lands in (sized by the peer settings)."""
+    return StagingPool(memory, data_plane, settings.peer.max_pages_per_read, settings.peer.staging_buffers)
+
+
+def make_peer_client(
+    runner: KvcrRunner,
+    control: ControlChannel,
+    data_plane: DataPlane,
+    memory: HostMemory,
+    clock: Clock,
+    metrics: Metrics,
+    settings: NodeSettings,
+    host_regions: HostRegions,
+    staging: StagingPool,
+) -> PeerClient:
+    """The target side: reads peers' leased pages into the host regions ``host_regions`` knows."""
+    return PeerClient(runner, control, data_plane, memory, clock, metrics, settings.peer, host_regions.ids, staging)
+
+
 class RunnerNode:
-    """One engine rank's kvcr: local tier, peer source and peer target."""
+    """One engine rank's kvcr: local tier, peer source and peer target, served and closed together.
+
+    Its parts are built by the composition root (``kvcr.container``); the node starts serving
+    the peer protocol and owns the close order.
+    """
 
     def __init__(
         self,
@@ -97,24 +158,22 @@ class RunnerNode:
         data_plane: DataPlane,
         control: ControlChannel,
         *,
-        memory: HostMemory,
-        clock: Clock,
-        metrics: Metrics,
+        server: PeerServer,
+        client: PeerClient,
+        staging: StagingPool,
+        host_regions: HostRegions,
         settings: NodeSettings,
     ) -> None:
         self.runner = runner
         self.data_plane = data_plane
         self.control = control
+        self.server = server
+        self.client = client
+        self.staging = staging
+        self.host_regions = host_regions
         self.settings = settings
-        self._host_ids: dict[str, tuple[tuple[RegionDescriptor, ...], tuple[int, ...]]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        arena_ids = {pool: data_plane.register(regions, exposed=True) for pool, regions in runner.pool_arenas().items()}
-        self.server = PeerServer(runner, data_plane, arena_ids, metrics)
-        self.staging = StagingPool(memory, data_plane, settings.peer.max_pages_per_read, settings.peer.staging_buffers)
-        self.client = PeerClient(
-            runner, control, data_plane, memory, clock, metrics, settings.peer, self.host_region_ids, self.staging
-        )
         try:
             control.serve_connections(self.server.handle)
         except BaseException:
@@ -125,23 +184,9 @@ class RunnerNode:
     def endpoint(self) -> str:
         return self.control.endpoint
 
-    def host_region_ids(self, pool: str) -> tuple[int, ...]:
-        """The data-plane ids of ``pool``'s host regions (LayoutError-free: empty when unregistered)."""
-        with self._lock:
-            entry = self._host_ids.get(pool)
-        return entry[1] if entry is not None else ()
-
     def register_host_pool(self, pool: str, regions: Sequence[RegionDescriptor]) -> tuple[RegionDescriptor, ...]:
         """Register an engine host pool with the runner and, once, privately with the data plane."""
-        canonical = self.runner.register_host_pool(pool, regions)
-        with self._lock:
-            previous = self._host_ids.get(pool)
-            if previous is not None and previous[0] == canonical:
-                return canonical
-            if previous is not None:
-                self.data_plane.deregister(previous[1])
-            self._host_ids[pool] = (canonical, self.data_plane.register(canonical, exposed=False))
-        return canonical
+        return self.host_regions.register(pool, regions)
 
     def close(self) -> None:
         with self._lock:

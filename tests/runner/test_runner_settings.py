@@ -145,15 +145,15 @@ def test_host_pools_are_registered_privately_once_and_again_only_when_they_chang
 
     node.data_plane.intercept("register", register)
     node.data_plane.intercept("deregister", deregister)
-    ids = node.host_region_ids("kv")
+    ids = node.host_regions.ids("kv")
     assert len(ids) == 2
     node.register_host_pool("kv", node.hosts["kv"].regions)  # the same geometry: nothing happens
-    assert calls == [] and node.host_region_ids("kv") == ids
+    assert calls == [] and node.host_regions.ids("kv") == ids
     moved = HostPool(kv_pool(), 32)
     node.register_host_pool("kv", moved.regions)
     assert calls == [("deregister", ids), ("register", False)]
-    assert node.host_region_ids("kv") != ids
-    assert node.host_region_ids("indexer") == ()
+    assert node.host_regions.ids("kv") != ids
+    assert node.host_regions.ids("indexer") == ()
 
 
 def test_a_node_closes_once_and_deregisters_only_when_quiescent(cluster):
