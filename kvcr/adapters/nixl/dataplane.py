@@ -1,7 +1,10 @@
 """DataPlane over NIXL 1.5.1: one agent, UCX backend, one-sided READs of a peer's exposed regions.
 
 What each behaviour below rests on was measured and is written up in ``docs/nixl-behaviour.md``
-(probes in ``scripts/probes/``).
+(probes in ``scripts/probes/``). The plane keeps its peers and the order of things; its parts:
+``regions.py`` (our registrations, the prepared list, a read's piece indices), ``transfers.py``
+(handles, their NIXL states, replaced lists released once unused), ``warmup.py`` (the connect-time
+beacon READs) and ``agent.py`` (building the agent, mapping NIXL's errors).
 
 How the port maps onto NIXL:
 
@@ -57,8 +60,6 @@ GIL during a call, so other Python threads run while a large CMA copy is done in
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import itertools
 import logging
 import os
 import threading
@@ -69,8 +70,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvcr.adapters.nixl import wire
 from kvcr.adapters.nixl.agent import build_agent, nixl_errors, transport_report, ucx_environment
-from kvcr.adapters.nixl.beacon import BEACON_BYTES, SCRATCH_SLOTS, Beacon, digest
-from kvcr.adapters.nixl.regions import LocalRegions
+from kvcr.adapters.nixl.beacon import BEACON_BYTES, Beacon
+from kvcr.adapters.nixl.regions import LocalRegions, piece_indices
+from kvcr.adapters.nixl.transfers import TransferTable
+from kvcr.adapters.nixl.warmup import BeaconReads
 from kvcr.adapters.nixl.wire import Description, Extent
 from kvcr.domain.errors import KvcrError
 from kvcr.domain.layout import PieceRun, RegionDescriptor
@@ -81,9 +84,6 @@ if TYPE_CHECKING:
     from kvcr.adapters.nixl.probe import ZeroCopyReport
 
 log = logging.getLogger(__name__)
-
-SYNC_WINDOW_S = 50e-6  # a look at the slot later than this after the post proves nothing
-_STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING, "ERR": TransferState.FAILED}
 
 
 @dataclass(slots=True)
@@ -96,15 +96,6 @@ class _Peer:
     loaded: bool  # its metadata is loaded in our agent (False: a loopback to ourselves)
     info: PeerInfo | None = None  # None until the warm-up READ came back
     closing: bool = False  # disconnected, kept loaded until its live reads have ended
-
-
-@dataclass(slots=True)
-class _Transfer:
-    xfer: Any  # NIXL xfer handle; None once released (or for an empty read)
-    peer: str
-    late_writes: bool
-    state: TransferState
-    slot: int | None = None  # scratch slot of an internal (connect) READ
 
 
 class NixlDataPlane:
@@ -136,16 +127,17 @@ class NixlDataPlane:
         self._closed = False
         self._description: bytes | None = None
         self._peers: dict[str, _Peer] = {}
-        self._transfers: dict[int, _Transfer] = {}
-        self._retired: list[Any] = []  # prepared lists replaced while transfers may use them
-        self._handles = itertools.count(1)
+        self._transfers = TransferTable(name, self._check_state, self._peer_read_ended)
         self._incarnation = os.urandom(8)
         self._host = wire.host_identity()
         self.metadata_loads = 0  # add_remote_agent calls, for observability and tests
         self._ucx_environment = ucx_environment()  # what the agent's UCX was built with
         self._agent, self._np, self._peer_errors = build_agent(name, self._params, progress_wake_s)
-        self._regions = LocalRegions(name, self._agent, self._np, self._retire)
+        self._regions = LocalRegions(name, self._agent, self._np, self._transfers.retire)
         self._beacon = Beacon()
+        self._beacons = BeaconReads(
+            name, self._lock, self._beacon, self._transfers, self._agent_now, self._check_open, self._translate
+        )
         with nixl_errors(f"{name}: cannot register memory with NIXL"):
             self._beacon_registration = self._regions.register_extent(self._beacon.address, BEACON_BYTES)
             self._scratch_registration = self._regions.register_extent(*self._beacon.scratch_extent)
@@ -233,10 +225,10 @@ class NixlDataPlane:
         name = desc.name
         with self._lock:
             self._check_open()
-            self._sweep()
+            self._beacons.sweep()
             link = self._peers.get(name)
             if link is not None and link.incarnation != desc.incarnation:
-                if self._live_from(name):
+                if self._transfers.live_from(name):
                     raise PeerUnavailable(f"{self._name}: {name!r} restarted while reads from it are still live")
                 self._drop(link)
                 link = None
@@ -248,16 +240,16 @@ class NixlDataPlane:
                     self._load(name, desc.metadata)
                 dlist = self._prep(name, rows) if rows else None
             if link is not None:  # same incarnation, new region table: the old list may be in use
-                self._retire(link.dlist)
+                self._transfers.retire(link.dlist)
                 link.description, link.extents, link.dlist, link.closing = description, extents, dlist, False
                 if link.info is not None:
                     return link.info
             else:
                 loaded = name != self._name
                 link = self._peers[name] = _Peer(name, description, desc.incarnation, extents, dlist, loaded)
-        warm, _, _ = self._beacon_read(link, desc.beacon)
-        self._settle(warm, deadline)
-        if not self._finish_internal(warm, desc.beacon_digest):
+        warm, _, _ = self._beacons.read(name, desc.beacon)
+        self._beacons.settle(warm, deadline)
+        if not self._beacons.finish(warm, desc.beacon_digest):
             self._unreachable(link)
             raise PeerUnavailable(f"{self._name}: peer {name!r} did not answer within {timeout_s:.2f}s")
         same_host = bool(self._host) and desc.host == self._host
@@ -266,7 +258,7 @@ class NixlDataPlane:
         # fast loopback can also finish inside the post, so timing alone would misjudge it). The
         # zero-copy probe (begun at construction; seconds over tcp) is waited for only within
         # this connect's deadline: a peer it is still needed for is not connected yet (a miss).
-        late_writes = not (same_host and self._reads_complete_in_post(link, desc, deadline))
+        late_writes = not (same_host and self._beacons.complete_in_post(name, desc, deadline))
         if not late_writes:
             report = transport_report(self._params, self._ucx_environment, max(0.0, deadline - time.monotonic()))
             if report is None:
@@ -288,11 +280,11 @@ class NixlDataPlane:
             if link is None:
                 return
             link.closing = True
-            for transfer in self._transfers.values():
+            for transfer in self._transfers:
                 if transfer.peer == peer and not transfer.state.terminal and not transfer.late_writes:
-                    self._refresh(transfer)
+                    self._transfers.refresh(transfer)
                     if not transfer.state.terminal:
-                        self._detach(transfer)
+                        self._transfers.detach(transfer)
                         transfer.state = TransferState.FAILED  # torn down; nothing of it is left to copy
             self._finish_closing(link)
 
@@ -305,11 +297,9 @@ class NixlDataPlane:
             link = self._peers.get(peer)
             if link is None or link.closing or link.info is None:
                 raise PeerUnavailable(f"{self._name}: peer {peer!r} is not connected")
-            handle = next(self._handles)
             if not runs:
-                self._transfers[handle] = _Transfer(None, peer, False, TransferState.DONE)
-                return handle
-            src_index, dst_index = self._indices(link, runs)
+                return self._transfers.add(None, peer, False, TransferState.DONE)
+            src_index, dst_index = piece_indices(self._name, link.name, link.extents, self._regions.extents, runs)
             agent = self._agent
             xfer = None
             try:
@@ -321,25 +311,23 @@ class NixlDataPlane:
                     with contextlib.suppress(Exception):  # never posted, or its post failed
                         xfer.release()
                 raise self._translate(exc, f"read from {peer!r}") from exc
-            state = _STATES.get(status, TransferState.FAILED)
-            self._transfers[handle] = _Transfer(xfer, peer, link.info.late_writes, state)
-            return handle
+            return self._transfers.add(xfer, peer, link.info.late_writes, status)
 
     def poll(self, handle: int) -> TransferState:
         with self._lock:
-            transfer = self._transfer(handle)
-            self._refresh(transfer)
+            transfer = self._transfers.posted(handle)
+            self._transfers.refresh(transfer)
             return transfer.state
 
     def cancel(self, handle: int) -> TransferState:
         with self._lock:
-            transfer = self._transfer(handle)
-            self._refresh(transfer)
+            transfer = self._transfers.posted(handle)
+            self._transfers.refresh(transfer)
             if transfer.state.terminal:
                 return transfer.state
             if not transfer.late_writes:
                 # Its bytes were copied inside the post; what is left is an endpoint flush.
-                self._detach(transfer)
+                self._transfers.detach(transfer)
                 transfer.state = TransferState.CANCELLED
             else:
                 transfer.state = TransferState.UNCERTAIN  # NIXL 1.5.1 cannot stop it: keep watching
@@ -347,39 +335,39 @@ class NixlDataPlane:
 
     def release(self, handle: int) -> None:
         with self._lock:
-            transfer = self._transfer(handle)
+            transfer = self._transfers.posted(handle)
             if not transfer.state.terminal:
                 raise KvcrError(f"transfer {handle} is {transfer.state.value}; releasing it could reuse live memory")
-            del self._transfers[handle]
+            self._transfers.pop(handle)
             try:
-                self._detach(transfer)
+                self._transfers.detach(transfer)
             finally:
-                self._after_end(transfer)
+                self._transfers.ended(transfer)
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
-            self._sweep()
-            for transfer in self._transfers.values():
-                self._refresh(transfer)
+            self._beacons.sweep()
+            for transfer in self._transfers:
+                self._transfers.refresh(transfer)
             live = [h for h, t in self._transfers.items() if not t.state.terminal and t.slot is None]
             if live:
                 raise KvcrError(f"{self._name}: {len(live)} transfers are not terminal; cannot close")
             self._closed = True
             failures: list[str] = []
-            for transfer in self._transfers.values():
+            for transfer in self._transfers:
                 # Only our own connect READs into scratch memory can be left: destroying the agent
                 # below stops them (a tcp source frozen meanwhile may abort when it resumes: UCX).
-                _attempt(failures, "release a transfer", self._detach, transfer)
+                _attempt(failures, "release a transfer", self._transfers.detach, transfer)
             self._transfers.clear()
             for link in self._peers.values():
-                self._retire(link.dlist)
+                self._transfers.retire(link.dlist)
                 if link.loaded:
                     _attempt(failures, f"remove {link.name!r}", self._agent.remove_remote_agent, link.name)
             self._peers.clear()
             self._regions.retire_list()
-            self._reap()
+            self._transfers.reap()
             failures += self._regions.close(own=(self._beacon_registration, self._scratch_registration))
             self._agent = None  # the last reference: NIXL stops its thread, destroys the agent and UCX worker
         if failures:
@@ -387,147 +375,7 @@ class NixlDataPlane:
 
     # ------------------------------------------------------------------ the read path
 
-    def _indices(self, link: _Peer, runs: Sequence[PieceRun]) -> tuple[list[int], list[int]]:
-        """Piece indices on both sides, after every check (TransportError: nothing is posted).
-
-        The hot path of a read: region lookups only when a run's region differs from the last.
-        """
-        remote, local = link.extents, self._regions.extents
-        src_index: list[int] = []
-        dst_index: list[int] = []
-        add_src, add_dst = src_index.append, dst_index.append
-        src_id = dst_id = -1
-        s_first = s_count = d_first = d_count = 0
-        for run in runs:
-            if run.src != src_id or run.dst != dst_id:
-                src, dst = remote.get(run.src), local.get(run.dst)
-                if src is None:
-                    raise TransportError(f"run {run}: peer {link.name!r} exposes no region {run.src}")
-                if dst is None:
-                    raise TransportError(f"run {run}: {self._name} has no registered region {run.dst}")
-                if src[2] != dst[2]:
-                    raise TransportError(f"run {run}: piece sizes differ ({src[2]} vs {dst[2]})")
-                src_id, dst_id = run.src, run.dst
-                s_first, s_count, _ = src
-                d_first, d_count, _ = dst
-            count, src_first, dst_first = run.count, run.src_first, run.dst_first
-            if count <= 0 or src_first < 0 or dst_first < 0 or src_first + count > s_count:
-                raise TransportError(f"run {run} is out of the registered bounds")
-            if dst_first + count > d_count:
-                raise TransportError(f"run {run} is out of the registered bounds")
-            if count == 1:
-                add_src(s_first + src_first)
-                add_dst(d_first + dst_first)
-            else:
-                src_index.extend(range(s_first + src_first, s_first + src_first + count))
-                dst_index.extend(range(d_first + dst_first, d_first + dst_first + count))
-        return src_index, dst_index
-
-    def _refresh(self, transfer: _Transfer) -> None:
-        if transfer.xfer is None or transfer.state.terminal:
-            return
-        try:
-            status = self._agent.check_xfer_state(transfer.xfer)
-        except Exception as exc:  # NIXL raises (rather than answering ERR) on a failed endpoint
-            log.info("%s: transfer from %s failed: %s", self._name, transfer.peer, exc)
-            status = "ERR"
-        state = _STATES.get(status, TransferState.FAILED)
-        if state is not TransferState.PENDING:
-            transfer.state = state
-            self._after_end(transfer)
-
-    def _detach(self, transfer: _Transfer) -> None:
-        """Release the NIXL handle (on a live one this only stops us from watching it)."""
-        xfer, transfer.xfer = transfer.xfer, None
-        if xfer is not None:
-            with nixl_errors(f"{self._name}: NIXL refused to release a transfer"):
-                xfer.release()
-
-    def _after_end(self, transfer: _Transfer) -> None:
-        """A transfer ended (or was released): free what waited on it."""
-        self._reap()
-        link = self._peers.get(transfer.peer)
-        if link is not None and link.closing:
-            self._finish_closing(link)
-
     # ------------------------------------------------------------------ connect helpers
-
-    def _beacon_read(self, link: _Peer, beacon: int) -> tuple[int, bytes, float]:
-        """Post a READ of the peer's beacon into a free scratch slot.
-
-        Returns its internal handle, a copy of the slot taken right after the post returned, and
-        how long after the post that copy was finished.
-        """
-        with self._lock:
-            self._check_open()
-            slot = self._beacon.take_slot()
-            if slot is None:
-                raise PeerUnavailable(f"{self._name}: {SCRATCH_SLOTS} connects are still waiting for their peers")
-            address = self._beacon.slot_address(slot)
-            agent, np = self._agent, self._np
-            xfer = None
-            try:
-                local = agent.get_xfer_descs(np.array([[address, BEACON_BYTES, 0]], dtype=np.uint64), "DRAM")
-                remote = agent.get_xfer_descs(np.array([[beacon, BEACON_BYTES, 0]], dtype=np.uint64), "DRAM")
-                xfer = agent.initialize_xfer("READ", local, remote, link.name)
-                status = agent.transfer(xfer)
-                posted = time.perf_counter()
-                seen = ctypes.string_at(address, BEACON_BYTES)
-                after = time.perf_counter() - posted
-            except Exception as exc:
-                self._beacon.give_back(slot)
-                if xfer is not None:
-                    with contextlib.suppress(Exception):  # its post failed: nothing is in flight
-                        xfer.release()
-                raise self._translate(exc, f"first read from {link.name!r}") from exc
-            handle = next(self._handles)
-            state = _STATES.get(status, TransferState.FAILED)
-            self._transfers[handle] = _Transfer(xfer, link.name, True, state, slot)
-            return handle, seen, after
-
-    def _settle(self, handle: int, deadline: float) -> TransferState:
-        """Poll an internal READ until it ends or ``deadline`` (a burst of polls, then short sleeps)."""
-        spins = 0
-        while True:
-            with self._lock:
-                transfer = self._transfers[handle]
-                self._refresh(transfer)
-                state = transfer.state
-            if state.terminal or time.monotonic() >= deadline:
-                return state
-            spins += 1
-            if spins > 64:
-                time.sleep(200e-6)
-
-    def _finish_internal(self, handle: int, expected: bytes) -> bool:
-        """End an internal READ: if it is over, free its slot and say whether the slot's digest is ``expected``.
-
-        One that is still live keeps its handle and slot (swept once it ends) and answers False.
-        """
-        with self._lock:
-            transfer = self._transfers[handle]
-            if not transfer.state.terminal:
-                return False
-            del self._transfers[handle]
-            assert transfer.slot is not None
-            held = transfer.state is TransferState.DONE and digest(self._beacon.slot_bytes(transfer.slot)) == expected
-            self._beacon.give_back(transfer.slot)
-            with contextlib.suppress(TransportError):  # an ended READ: releasing it frees NIXL's request
-                self._detach(transfer)
-            self._after_end(transfer)
-            return held
-
-    def _sweep(self) -> None:
-        """Free the slots of internal READs that have ended since they were given up."""
-        for handle, transfer in list(self._transfers.items()):
-            if transfer.slot is not None:
-                self._refresh(transfer)
-                if transfer.state.terminal:
-                    del self._transfers[handle]
-                    self._beacon.give_back(transfer.slot)
-                    with contextlib.suppress(TransportError):
-                        self._detach(transfer)
-                    self._after_end(transfer)
 
     def _unreachable(self, link: _Peer) -> None:
         """A peer whose first READ did not come back: no reads from it; forget it once that READ ends."""
@@ -536,28 +384,19 @@ class NixlDataPlane:
                 link.closing = True
                 self._finish_closing(link)
 
-    def _reads_complete_in_post(self, link: _Peer, desc: Description, deadline: float) -> bool:
-        """Whether READs from this peer land their bytes before ``transfer()`` returns (CMA).
-
-        The slot is looked at right after the post; a look finished later than ``SYNC_WINDOW_S``
-        proves nothing and is repeated. Two complete looks, and no incomplete one, are needed.
-        """
-        complete = 0
-        for _ in range(6):
-            handle, seen, after = self._beacon_read(link, desc.beacon)
-            state = self._settle(handle, deadline)
-            if not self._finish_internal(handle, desc.beacon_digest) or state is not TransferState.DONE:
-                return False
-            if after > SYNC_WINDOW_S:
-                continue
-            if digest(seen) != desc.beacon_digest:
-                return False
-            complete += 1
-            if complete == 2:
-                return True
-        return False
-
     # ------------------------------------------------------------------ NIXL plumbing
+
+    def _agent_now(self) -> tuple[Any, Any]:
+        return self._agent, self._np
+
+    def _check_state(self, xfer: Any) -> str:
+        return str(self._agent.check_xfer_state(xfer))
+
+    def _peer_read_ended(self, peer: str) -> None:
+        """A read from ``peer`` ended: a disconnected peer is forgotten once its last one has."""
+        link = self._peers.get(peer)
+        if link is not None and link.closing:
+            self._finish_closing(link)
 
     def _prep(self, agent_name: str, rows: list[list[int]]) -> Any:
         return self._agent.prep_xfer_dlist(agent_name, self._np.array(rows, dtype=self._np.uint64), "DRAM")
@@ -571,43 +410,20 @@ class NixlDataPlane:
                 self._agent.remove_remote_agent(loaded)
             raise PeerUnavailable(f"description names {name!r} but its metadata is agent {loaded!r}")
 
-    def _live_from(self, peer: str) -> bool:
-        return any(t.peer == peer and not t.state.terminal for t in self._transfers.values())
-
     def _finish_closing(self, link: _Peer) -> None:
         """Forget a disconnected peer once none of its reads can still write."""
-        if self._peers.get(link.name) is not link or self._live_from(link.name):
+        if self._peers.get(link.name) is not link or self._transfers.live_from(link.name):
             return
         self._drop(link)
 
     def _drop(self, link: _Peer) -> None:
         del self._peers[link.name]
-        self._retire(link.dlist)
+        self._transfers.retire(link.dlist)
         if link.loaded:
             try:
                 self._agent.remove_remote_agent(link.name)
             except Exception as exc:
                 log.info("%s: removing peer %s: %s", self._name, link.name, exc)
-
-    def _retire(self, dlist: Any) -> None:
-        if dlist is not None:
-            self._retired.append(dlist)
-        self._reap()
-
-    def _reap(self) -> None:
-        """Release replaced prepared lists once no transfer handle is left that was made from them."""
-        if not self._retired or any(t.xfer is not None for t in self._transfers.values()):
-            return
-        retired, self._retired = self._retired, []
-        for dlist in retired:
-            with contextlib.suppress(Exception):  # a list NIXL will not release is only memory
-                dlist.release()
-
-    def _transfer(self, handle: int) -> _Transfer:
-        transfer = self._transfers.get(handle)
-        if transfer is None or transfer.slot is not None:
-            raise TransportError(f"unknown transfer handle {handle}")
-        return transfer
 
     def _translate(self, exc: Exception, what: str) -> TransportError:
         if isinstance(exc, self._peer_errors):

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvcr.adapters.nixl import wire
 from kvcr.adapters.nixl.wire import Extent
-from kvcr.domain.layout import RegionDescriptor
-from kvcr.ports.errors import RegistrationError
+from kvcr.domain.layout import PieceRun, RegionDescriptor
+from kvcr.ports.errors import RegistrationError, TransportError
 
 INIT_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for "our own side" of a prepared list
 
@@ -147,3 +147,43 @@ class LocalRegions:
         )
         self._retire(self.dlist)
         self.extents, self.dlist = extents, dlist
+
+
+def piece_indices(
+    owner: str, peer: str, remote: Mapping[int, Extent], local: Mapping[int, Extent], runs: Sequence[PieceRun]
+) -> tuple[list[int], list[int]]:
+    """Indices into the peer's and our prepared lists for ``runs``, after every check.
+
+    TransportError (nothing is posted) for a region either side lacks, piece sizes that differ, or
+    a run out of its regions' bounds. The hot path of a read: region lookups only when a run's
+    region differs from the last.
+    """
+    src_index: list[int] = []
+    dst_index: list[int] = []
+    add_src, add_dst = src_index.append, dst_index.append
+    src_id = dst_id = -1
+    s_first = s_count = d_first = d_count = 0
+    for run in runs:
+        if run.src != src_id or run.dst != dst_id:
+            src, dst = remote.get(run.src), local.get(run.dst)
+            if src is None:
+                raise TransportError(f"run {run}: peer {peer!r} exposes no region {run.src}")
+            if dst is None:
+                raise TransportError(f"run {run}: {owner} has no registered region {run.dst}")
+            if src[2] != dst[2]:
+                raise TransportError(f"run {run}: piece sizes differ ({src[2]} vs {dst[2]})")
+            src_id, dst_id = run.src, run.dst
+            s_first, s_count, _ = src
+            d_first, d_count, _ = dst
+        count, src_first, dst_first = run.count, run.src_first, run.dst_first
+        if count <= 0 or src_first < 0 or dst_first < 0 or src_first + count > s_count:
+            raise TransportError(f"run {run} is out of the registered bounds")
+        if dst_first + count > d_count:
+            raise TransportError(f"run {run} is out of the registered bounds")
+        if count == 1:
+            add_src(s_first + src_first)
+            add_dst(d_first + dst_first)
+        else:
+            src_index.extend(range(s_first + src_first, s_first + src_first + count))
+            dst_index.extend(range(d_first + dst_first, d_first + dst_first + count))
+    return src_index, dst_index

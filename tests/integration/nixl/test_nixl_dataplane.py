@@ -174,7 +174,8 @@ def test_close_stops_nixl_threads_and_refuses_work(planes):
     def threads():
         return len(os.listdir("/proc/self/task"))
 
-    planes("warm")  # the first agent of a process also starts threads that outlive it
+    warm = planes("warm")  # the first agent of a process also starts threads that outlive it
+    assert warm.transport_report  # and its zero-copy probe thread: counted only once it has ended
     before = threads()
     plane = planes("closing")
     assert threads() > before  # NIXL's progress thread (and UCX's)
