@@ -155,7 +155,7 @@ def check_nixl() -> Finding:
 
 
 def check_transport(read_bytes: int) -> Finding:
-    from kvcr.adapters.nixl.probe import probe_transport
+    from kvcr.adapters.nixl.transport_probe import probe_transport
 
     report = probe_transport(nbytes=read_bytes)
     if report.zero_copy:

@@ -1,6 +1,6 @@
 """Reading UCX_PROTO_INFO=y tables: the ucp_get rows to another process, never the "self" ones."""
 
-from kvcr.adapters.nixl.probe import ProtoRow, TransportReport, parse_proto_info
+from kvcr.adapters.nixl.transport_probe import ProtoRow, TransportReport, parse_proto_info
 
 SAMPLE = """\
 [1796112106.9] [vm:18627:0]   +--------+-------------+-----------------------------------+

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcr.adapters.nixl.probe import probe_transport
+from kvcr.adapters.nixl.transport_probe import probe_transport
 
 pytestmark = [pytest.mark.nixl, pytest.mark.multiprocess]
 REPO = Path(__file__).resolve().parents[3]
