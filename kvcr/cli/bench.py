@@ -144,14 +144,17 @@ def _bench_remote(args: argparse.Namespace) -> int:
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from kvcr.bench.engine import as_dict, engine_table, run_engine
+    from kvcr.bench.engine import MAX_PROMPT_TOKENS, MIN_PROMPT_TOKENS, as_dict, engine_table, run_engine
 
     try:
         lengths = [int(part) for part in args.lengths.split(",") if part.strip()]
     except ValueError:
         raise KvcrError(f"--lengths: give token counts separated by commas, got {args.lengths!r}") from None
-    if not lengths or min(lengths) < 2 * 16 or max(lengths) > 3072:
-        raise KvcrError(f"--lengths: each between 32 and 3072 tokens (the tiny model's context is 4096), got {lengths}")
+    if not lengths or min(lengths) < MIN_PROMPT_TOKENS or max(lengths) > MAX_PROMPT_TOKENS:
+        raise KvcrError(
+            f"--lengths: each between {MIN_PROMPT_TOKENS} tokens (below it SGLang's prefetch threshold of 256 "
+            f"tokens leaves kvcr unasked) and {MAX_PROMPT_TOKENS} (the tiny model's context is 4096), got {lengths}"
+        )
     workdir = Path(args.workdir) if args.workdir else None
     results = _Progress(1).step(
         f"engine: two SGLang servers, prompts of {args.lengths} tokens x {args.reps}",

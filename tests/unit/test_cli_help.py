@@ -52,7 +52,12 @@ def test_a_bad_value_found_while_running_is_one_line_without_a_traceback(capsys)
     assert err.startswith("kvcr bench local: ") and "--page-sizes" in err and err.count("\n") == 1
     assert main(["bench", "remote", "--batches", "8,x"]) == 2
     assert "--batches" in capsys.readouterr().err
-    for lengths in ("1024,x", "16", "8192"):  # refused before any server starts
+    for lengths in (
+        "1024,x",
+        "16",
+        "64",
+        "8192",
+    ):  # refused before any server starts (64: below the prefetch threshold)
         assert main(["bench", "engine", "--lengths", lengths]) == 2
         assert "--lengths" in capsys.readouterr().err
 
