@@ -96,6 +96,7 @@ def main() -> None:
         "leases": a.runner.active_leases,
         "missing": list(hook_points.missing_at_load()),
         "gauge": ctrl.storage_backend._ready().metrics.snapshot().get("kvcr_hint_hooks_missing"),
+        "doctor": _doctor_says(),
     }
     if dst is not None:
         result["prefetched_tokens"] = completed
@@ -103,6 +104,14 @@ def main() -> None:
     ctrl.detach_storage_backend()
     a.close()
     print("RESULT " + json.dumps(result))
+
+
+def _doctor_says() -> list[str]:
+    """What ``kvcr doctor``'s SGLang check answers in this process (as the SGLang it sees is)."""
+    from kvcr.doctor import check_sglang_version
+
+    finding = check_sglang_version()
+    return [finding.status.value, finding.detail]
 
 
 if __name__ == "__main__":

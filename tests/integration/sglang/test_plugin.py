@@ -42,6 +42,7 @@ def test_a_hint_set_on_a_request_reaches_the_backend():
     assert result["prefetched_tokens"] == 4 * 16
     assert result["bytes_equal"] is True
     assert result["leases"] == 0  # the source lets go as soon as the prefetch ends
+    assert result["doctor"][0] == "ok", result["doctor"]  # the same check is green where every point fits
 
 
 @pytest.mark.multiprocess
@@ -68,3 +69,5 @@ def test_a_hook_point_this_sglang_changed_turns_hints_off_loudly_and_the_rest_ke
     errors = [line for line in logs[0].splitlines() if "request hints are OFF" in line]
     assert len(errors) == 1 and target in errors[0], logs[0][-3000:]
     assert "get no KV events" not in logs[0]  # the backup hook point is unchanged: still captured
+    status, detail = result["doctor"]  # and kvcr doctor is red, naming the point
+    assert status == "FAIL" and "request hints (or KV events) off" in detail and target in detail, detail
