@@ -22,8 +22,17 @@ REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.multiprocess
 
 
-def run_ranks(pages: tuple[int, int], *, rounds: int = 1, prompt_pages: int = 5, env: dict[str, str] | None = None):
+def run_ranks(
+    pages: tuple[int, int],
+    *,
+    rounds: int = 1,
+    prompt_pages: int = 5,
+    env: dict[str, str] | None = None,
+    peer: bool = False,
+    dead_peer_rank: int | None = None,
+):
     init_port, control_port = free_port(), free_port(2)
+    extra = {"peer": {"port": free_port(2)}, "dead_peer_rank": dead_peer_rank} if peer else {}
     children = []
     for rank in (0, 1):
         spec = {
@@ -33,6 +42,7 @@ def run_ranks(pages: tuple[int, int], *, rounds: int = 1, prompt_pages: int = 5,
             "pages": list(pages),
             "rounds": rounds,
             "prompt_pages": prompt_pages,
+            **extra,
         }
         children.append(
             subprocess.Popen(
@@ -83,3 +93,23 @@ def test_under_sglangs_random_backend_failures_the_ranks_always_agree_and_no_byt
     completed = [r["completed"] for r in rank0]
     assert any(c == 4 * 16 for c in completed), completed  # some rounds restored the whole prompt
     assert any(c < 4 * 16 for c in completed), completed  # and injected failures cut others
+
+
+def test_hinted_ranks_each_read_their_own_shard_from_the_peers_same_rank():
+    rank0, rank1 = run_ranks((4, 4), prompt_pages=4, peer=True)
+    assert [r["backed_up"] for r in (*rank0, *rank1)] == [4 * 16, 4 * 16]  # on the peer, not locally
+    assert [r["hit"] for r in (*rank0, *rank1)] == [4 * 16, 4 * 16]
+    assert [r["completed"] for r in (*rank0, *rank1)] == [4 * 16, 4 * 16]
+    assert all(r["bytes_ok"] for r in (*rank0, *rank1))  # each rank got its own shard's bytes
+    assert [r["peer_leases"] for r in (*rank0, *rank1)] == [0, 0]  # released once the reads ended
+
+
+def test_a_peer_failing_on_one_rank_is_a_miss_on_both_and_no_byte_lands_wrong():
+    # Rank 1's peer is gone (its control port closed); rank 0's peer holds every page. SGLang's
+    # MIN across ranks must turn rank 0's 4 leased pages into no restore on either rank.
+    rank0, rank1 = run_ranks((4, 4), prompt_pages=4, peer=True, dead_peer_rank=1)
+    assert [r["backed_up"] for r in (*rank0, *rank1)] == [4 * 16, 0]
+    assert [r["hit"] for r in (*rank0, *rank1)] == [0, 0]
+    assert [r["completed"] for r in (*rank0, *rank1)] == [0, 0]
+    assert all(r["bytes_ok"] for r in (*rank0, *rank1))
+    assert rank0[0]["peer_leases"] == 0  # what rank 0's hit query leased was let go when the MIN trimmed it
