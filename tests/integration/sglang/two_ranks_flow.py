@@ -43,7 +43,8 @@ def main() -> None:
     peer = spec.get("peer")
     settings = {"enable_remote_hint": True} if peer else {}
     ctrl, group = sg.controller(host, tp_group=dist.group.WORLD, control_port=spec["control_port"], **settings)
-    replica = peer_host = None
+    replica: Any = None
+    peer_host: Any = None
     if peer:
         load_plugins()
         peer_host = sg.mha_host("page_first")
