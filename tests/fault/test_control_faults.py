@@ -107,3 +107,43 @@ def test_a_lost_release_keeps_pages_only_until_the_lease_expires(cluster, figure
     figures.record(fault)
     cluster.close_checked(target)
     cluster.close_checked(source)
+
+
+def test_lease_replies_a_relay_drops_pin_only_that_peers_share_for_one_lease(cluster, figures):
+    """A relay that drops every LEASE reply: the source granted the leases (the pages stay pinned,
+    as under a lost RELEASE) but the target never learned of them. That costs the source at most
+    the relayed connection's own share, for one lease time: a target dialling the source directly
+    restores its unleased pages meanwhile, and the pins are gone once the leases expire."""
+    fault = Fault("control: every LEASE reply dropped")
+    dram = 4 * PAGES
+    share = {**SETTINGS, "peer_lease_share": 0.5}  # one connection may pin half the pool: 2 prompts
+    source = cluster.start("source", layers=LAYERS, host_pages=dram, dram_pages=dram, settings=share)
+    relayed = cluster.start("relayed", layers=LAYERS, host_pages=2 * PAGES, dram_pages=4, settings=SETTINGS)
+    direct = cluster.start("direct", layers=LAYERS, host_pages=PAGES, dram_pages=4, settings=SETTINGS)
+    drop_replies = lambda d, k, f: DROP if (d, k) == ("down", "LeaseReply") else PASS  # noqa: E731
+    relay = Relay(int(source.endpoint.rsplit(":", 1)[1]), drop_replies)
+    try:
+        stranded, wanted = prompt_keys(34, 2 * PAGES), prompt_keys(35, PAGES)
+        assert all(source.ask("backup", keys=stranded, first_slot=0)["stored"])
+        assert all(source.ask("backup", keys=wanted, first_slot=2 * PAGES)["stored"])
+        lost = fault.call(relayed.ask("restore", keys=stranded, first_slot=0, hint=relay.endpoint), BOUND_S)
+        assert lost["hits"] == 0  # its LEASE reply never came: a miss
+        assert "LeaseReply" in relay.kinds("down")  # the source answered, and the relay dropped it
+        pinned = source.ask("stats")["leases_held"]
+        assert pinned >= 1  # granted, and held for nobody
+        read = fault.call(direct.ask("restore", keys=wanted, first_slot=0, hint=source.endpoint), BOUND_S)
+        assert read["results"] == [True] * PAGES, "the stranded leases starved another peer's restore"
+        deadline = time.monotonic() + LEASE_MS / 1000 + 2.0
+        while source.ask("stats")["leases_held"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = source.ask("stats")["leases_held"]
+        assert left == 0, "stranded leases outlived their lease time"
+        fault.trials += 1
+        fault.notes.append(f"{pinned} stranded lease(s); direct restore {PAGES}/{PAGES}; released within one lease")
+        fault.poison(direct, 0, PAGES)
+        fault.alive(direct)
+    finally:
+        relay.close()
+    figures.record(fault)
+    for replica in (direct, relayed, source):
+        cluster.close_checked(replica)
