@@ -301,8 +301,6 @@ TOKEN = b"a-cluster-token-of-32-bytes-long"
         ({"handshake_timeout_s": 0}, "handshake_timeout_s"),
         ({"handshake_timeout_s": float("inf")}, "handshake_timeout_s"),
         ({"handshake_timeout_s": "2"}, "handshake_timeout_s"),
-        ({"max_pending_handshakes": 0}, "max_pending_handshakes"),
-        ({"max_pending_handshakes": 2.5}, "max_pending_handshakes"),
     ],
 )
 def test_unsafe_or_bad_security_settings_are_config_errors_naming_the_setting(kwargs, setting):
