@@ -57,7 +57,6 @@ def test_the_runner_and_the_node_run_with_the_configured_settings(stores, tmp_pa
         "recompute_tokens_per_s": 1000.0,
         "max_peer_links": 3,
         "control_handshake_ms": 1500,
-        "control_max_pending_handshakes": 40,
         "peer_lease_share": 0.25,
     }
     store, host = stores(**settings)
@@ -77,7 +76,6 @@ def test_the_runner_and_the_node_run_with_the_configured_settings(stores, tmp_pa
         rotation_tokens=(b"old-0123456789abcdef",),
         allow_unauthenticated=True,
         handshake_timeout_s=1.5,
-        max_pending_handshakes=40,
         peer=PeerSettings(
             max_pages_per_read=7, landing="staged", recompute_tokens_per_s=1000.0, tokens_per_page=sg.P, max_links=3
         ),
