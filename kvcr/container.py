@@ -214,7 +214,6 @@ def _zmq_control(settings: NodeSettings, metrics: Metrics) -> ControlChannel:
         rotation_tokens=settings.rotation_tokens,
         allow_unauthenticated=settings.allow_unauthenticated,
         handshake_timeout_s=settings.handshake_timeout_s,
-        max_pending_handshakes=settings.max_pending_handshakes,
         # Sessions are bound to the control connection: it outlives the peer link that uses it, so
         # an idle link's next restore does not find its session gone (and say HELLO again).
         idle_close_s=settings.peer.link_idle_s + 30.0,

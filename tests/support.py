@@ -113,7 +113,6 @@ class Cluster:
         verify_bytes=True,
         host_pages=64,
         peer_share=1.0,
-        max_pending_handshakes=128,
     ):
         from kvcr.adapters.mock import MockDataPlane
         from kvcr.container import build_container
@@ -133,12 +132,7 @@ class Cluster:
             max_peer_leased_fraction=peer_share,
         )
         settings = NodeSettings(
-            "127.0.0.1",
-            port or free_port(),
-            token=token,
-            peer=peer or PeerSettings(),
-            close_lease_wait_s=0.2,
-            max_pending_handshakes=max_pending_handshakes,
+            "127.0.0.1", port or free_port(), token=token, peer=peer or PeerSettings(), close_lease_wait_s=0.2
         )
         container = build_container(
             config,

@@ -125,7 +125,6 @@ class RefusalReason(str, enum.Enum):
     PROTOCOL = "protocol"
     HANDSHAKE = "handshake"
     FRAME = "frame"
-    PENDING = "pending"  # cut mid-handshake: too many connections were waiting for theirs
 
 
 class Lookup(str, enum.Enum):

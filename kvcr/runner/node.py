@@ -63,7 +63,6 @@ class NodeSettings:
     peer: PeerSettings = field(default_factory=PeerSettings)
     close_lease_wait_s: float = 2.0
     handshake_timeout_s: float = 2.0  # a connection to our control port that has not completed its handshake is closed
-    max_pending_handshakes: int = 128  # connections waiting for their handshake at once; the oldest past it is cut
 
     def __post_init__(self) -> None:
         if not 0 < self.control_port < 65536:

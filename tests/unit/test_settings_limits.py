@@ -12,10 +12,10 @@ from kvcr.integrations.shared.settings import KvcrSettings, parse_settings, read
 
 KNOWN = (
     "abandon_timeout_ms, allow_unauthenticated, auth_token_file, connect_timeout_ms, control_advertise_host, "
-    "control_handshake_ms, control_host, control_max_pending_handshakes, control_port, control_timeout_ms, "
-    "dram_bytes, enable_remote_hint, kv_events_endpoint, kv_events_topic, landing, lease_ms, max_peer_links, "
-    "operation_timeout_ms, peer_allowlist, peer_lease_share, peer_retry_ms, policy, read_batch_pages, "
-    "recompute_tokens_per_s, rotation_token_files, same_host_shm, transport, verify_bytes"
+    "control_handshake_ms, control_host, control_port, control_timeout_ms, dram_bytes, enable_remote_hint, "
+    "kv_events_endpoint, kv_events_topic, landing, lease_ms, max_peer_links, operation_timeout_ms, peer_allowlist, "
+    "peer_lease_share, peer_retry_ms, policy, read_batch_pages, recompute_tokens_per_s, rotation_token_files, "
+    "same_host_shm, transport, verify_bytes"
 )
 
 
@@ -50,7 +50,6 @@ def refusal(extra):
         ({"peer_retry_ms": 3600001}, "peer_retry_ms must be in 1..3600000, got 3600001"),
         ({"read_batch_pages": 0}, "read_batch_pages must be in 1..65536, got 0"),
         ({"max_peer_links": 65537}, "max_peer_links must be in 1..65536, got 65537"),
-        ({"control_max_pending_handshakes": 0}, "control_max_pending_handshakes must be in 1..65536, got 0"),
         ({"control_handshake_ms": 99}, "control_handshake_ms must be in 100..60000, got 99"),
         ({"control_handshake_ms": 60001}, "control_handshake_ms must be in 100..60000, got 60001"),
         ({"control_handshake_ms": -1}, "control_handshake_ms must be in 100..60000, got -1"),

@@ -83,9 +83,6 @@ class ZmqControlChannel:
         handshake_timeout_s: a connection to our server that has not completed its ZMTP (and CURVE)
             handshake this long after it was accepted is closed (``ZMQ_HANDSHAKE_IVL``; libzmq's
             own default is 30 s): a flood of half-open greetings holds descriptors only this long.
-        max_pending_handshakes: most connections waiting for their handshake at once; past it the
-            oldest waiting is cut (refusal ``pending``), so a flood holds at most this many
-            descriptors, however fast it connects.
         on_refusal: called (on the server thread) with a reason from ``REFUSAL_REASONS`` each
             time the server refuses a connection or drops a frame; must not block.
 
@@ -111,7 +108,6 @@ class ZmqControlChannel:
         max_peers: int = 256,
         idle_close_s: float = 30.0,
         handshake_timeout_s: float = 2.0,
-        max_pending_handshakes: int = 128,
         on_refusal: Callable[[str], None] | None = None,
     ) -> None:
         if not isinstance(port, int) or not 0 < port < 65536:
@@ -135,10 +131,6 @@ class ZmqControlChannel:
         ):
             raise ConfigError(
                 f"control handshake_timeout_s must be in 0.001..3600 seconds, got {handshake_timeout_s!r}"
-            )
-        if not isinstance(max_pending_handshakes, int) or max_pending_handshakes < 1:
-            raise ConfigError(
-                f"control max_pending_handshakes must be a positive integer, got {max_pending_handshakes!r}"
             )
         if token is None and rotation_tokens:
             raise ConfigError("control rotation_tokens need a current token")
@@ -167,7 +159,6 @@ class ZmqControlChannel:
         self._unauthenticated_remote = token is None and not _is_loopback(bind_host)
         self._max_message_bytes = max_message_bytes
         self._handshake_ms = max(1, round(handshake_timeout_s * 1000))
-        self._max_pending_handshakes = max_pending_handshakes
         self._on_refusal = on_refusal
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
@@ -225,7 +216,6 @@ class ZmqControlChannel:
                 keyring=self._keyring,
                 max_message_bytes=self._max_message_bytes,
                 handshake_ms=self._handshake_ms,
-                max_pending_handshakes=self._max_pending_handshakes,
                 on_refusal=self._count_refusal,
                 on_tick=self._links.sweep,
                 on_stopped=self._server_stopped,

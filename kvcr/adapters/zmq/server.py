@@ -18,9 +18,7 @@ Refusals are counted by a closed set of reasons (:data:`REFUSAL_REASONS`), never
 - ``protocol``: the handshake failed on mechanism or cryptography (a plaintext client, a wrong
   server key, replayed or tampered bytes);
 - ``handshake``: any other handshake failure (bytes that are not ZMTP at all);
-- ``frame``: a connected peer sent a request that is not ``[id, payload]``; it is dropped;
-- ``pending``: a connection was cut mid-handshake because more than ``max_pending_handshakes``
-  were waiting for theirs (:mod:`kvcr.adapters.zmq.pending`), the oldest first.
+- ``frame``: a connected peer sent a request that is not ``[id, payload]``; it is dropped.
 
 The connection a request came over is named, for the handler, by the ROUTER's routing identity of
 that connection and, with CURVE, the ZAP user id this server gave its handshake (a serial number
@@ -44,7 +42,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvcr.adapters.zmq.curve import ZAP_ENDPOINT, Keyring, zap_reply
-from kvcr.adapters.zmq.pending import PendingHandshakes
 from kvcr.adapters.zmq.sockets import bind_with_retry
 from kvcr.ports.control import ConnectionHandler
 from kvcr.ports.errors import TransportError
@@ -54,7 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REFUSAL_REASONS = ("credentials", "protocol", "handshake", "frame", "pending")
+REFUSAL_REASONS = ("credentials", "protocol", "handshake", "frame")
 ONEWAY_ID = bytes(8)
 _STATUS_OK = b"\x00"
 _STATUS_FAILED = b"\x01"
@@ -100,7 +97,6 @@ class ControlServer:
     """Binds the ROUTER in the caller's thread (so bind errors raise there) and serves on its own.
 
     Args:
-        max_pending_handshakes: most accepted connections waiting for their handshake at once.
         on_refusal: called on the server thread with a reason from :data:`REFUSAL_REASONS`.
         on_tick: called on the server thread about every poll slice (the client pool's idle sweep).
         on_stopped: called on the server thread once every server socket is closed.
@@ -115,7 +111,6 @@ class ControlServer:
         keyring: Keyring | None,
         max_message_bytes: int,
         handshake_ms: int,
-        max_pending_handshakes: int,
         on_refusal: Callable[[str], None],
         on_tick: Callable[[], None],
         on_stopped: Callable[[], None],
@@ -135,11 +130,8 @@ class ControlServer:
         self._frame_warning = RateLimitedWarning(log)
         self._handler_warning = RateLimitedWarning(log)
         self._handshakes = itertools.count(1)  # ZAP user ids: one per admitted handshake, never reused
-        self._pending = PendingHandshakes(max_pending_handshakes)
-        self._failed = lib.EVENT_HANDSHAKE_FAILED_NO_DETAIL | lib.EVENT_HANDSHAKE_FAILED_PROTOCOL
-        self._failed |= lib.EVENT_HANDSHAKE_FAILED_AUTH
-        self._ended = self._failed | lib.EVENT_HANDSHAKE_SUCCEEDED | lib.EVENT_DISCONNECTED | lib.EVENT_CLOSED
-        self._monitored = self._ended | lib.EVENT_ACCEPTED
+        fail = lib.EVENT_HANDSHAKE_FAILED_NO_DETAIL | lib.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        self._monitored = fail | lib.EVENT_HANDSHAKE_FAILED_AUTH
 
     def start(self, bind_address: str, handler: ConnectionHandler, *, ipv6: bool) -> None:
         """Bind and start serving.
@@ -172,8 +164,7 @@ class ControlServer:
             sock.setsockopt(lib.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
             sock.setsockopt(lib.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
             # A connection that never completes its greeting holds a descriptor until this expires;
-            # libzmq has no cap on accepted-but-unauthenticated connections: the monitor's events
-            # feed our own (PendingHandshakes), and this bounds how long each may wait.
+            # libzmq has no cap on accepted-but-unauthenticated connections, so this is the bound.
             sock.setsockopt(lib.HANDSHAKE_IVL, self._handshake_ms)
             if ipv6:
                 sock.setsockopt(lib.IPV6, 1)
@@ -225,7 +216,7 @@ class ControlServer:
                 if zap is not None and zap in ready:
                     self._answer_zap(zap)
                 if monitor in ready:
-                    self._watch_connections(monitor)
+                    self._count_handshake_failures(monitor)
                 if sock in ready:
                     for _ in range(_BATCH):
                         if not sock.getsockopt(lib.EVENTS) & lib.POLLIN:
@@ -251,35 +242,23 @@ class ControlServer:
             reply, _ = zap_reply(zap.recv_multipart(lib.NOBLOCK), self._keyring, b"%d" % next(self._handshakes))
             zap.send_multipart(reply)  # a refusal is counted from the monitor's AUTH event
 
-    def _watch_connections(self, monitor: zmq.Socket[bytes]) -> None:
-        """Follow accepted connections through their handshakes: count refusals, cut past the cap."""
+    def _count_handshake_failures(self, monitor: zmq.Socket[bytes]) -> None:
         lib = self._zmq
         while monitor.getsockopt(lib.EVENTS) & lib.POLLIN:
             frames = monitor.recv_multipart(lib.NOBLOCK)
             if not frames or len(frames[0]) < _MONITOR_EVENT.size:
                 continue
-            event, fd = _MONITOR_EVENT.unpack_from(frames[0])
-            if event & lib.EVENT_ACCEPTED:
-                self._pending.accepted(fd)
-            elif event & self._ended:
-                self._pending.ended(fd)
-            if not event & self._failed:
-                continue
+            event, _ = _MONITOR_EVENT.unpack_from(frames[0])
             if event & lib.EVENT_HANDSHAKE_FAILED_AUTH:
                 reason = "credentials"
             elif event & lib.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 reason = "protocol"
-            else:
+            elif event & lib.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
                 reason = "handshake"
+            else:
+                continue
             self._on_refusal(reason)
             self._refusal_warning.warn("control server %s refused a connection (%s)", self._name, reason)
-        for _ in range(self._pending.enforce()):
-            self._on_refusal("pending")
-            self._refusal_warning.warn(
-                "control server %s cut a connection mid-handshake: over %d were waiting for theirs",
-                self._name,
-                self._pending.cap,
-            )
 
     def _answer(self, sock: zmq.Socket[bytes], message: list[zmq.Frame], handler: ConnectionHandler) -> None:
         lib = self._zmq

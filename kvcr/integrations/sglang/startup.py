@@ -203,7 +203,6 @@ def start(
             rotation_tokens=rotation,
             allow_unauthenticated=settings.allow_unauthenticated,
             handshake_timeout_s=settings.control_handshake_ms / 1000,
-            max_pending_handshakes=settings.control_max_pending_handshakes,
             peer=PeerSettings(
                 max_pages_per_read=settings.read_batch_pages,
                 landing=settings.landing,

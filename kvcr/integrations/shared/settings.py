@@ -77,7 +77,6 @@ class KvcrSettings:
     recompute_tokens_per_s: float = 0.0
     max_peer_links: int = 64
     control_handshake_ms: int = 2000
-    control_max_pending_handshakes: int = 128
     peer_lease_share: float = 0.5
     policy: str = "lru"
     kv_events_endpoint: str | None = None
@@ -213,7 +212,6 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "recompute_tokens_per_s": (int, float),
     "max_peer_links": (int,),
     "control_handshake_ms": (int,),
-    "control_max_pending_handshakes": (int,),
     "peer_lease_share": (int, float),
     "policy": (str,),
     "kv_events_endpoint": (str, type(None)),
@@ -284,7 +282,7 @@ def _check(s: KvcrSettings) -> None:
         raise ConfigError(
             f"control_handshake_ms must be in {MIN_HANDSHAKE_MS}..{MAX_HANDSHAKE_MS}, got {s.control_handshake_ms}"
         )
-    for key in ("read_batch_pages", "max_peer_links", "control_max_pending_handshakes"):
+    for key in ("read_batch_pages", "max_peer_links"):
         if not 0 < getattr(s, key) <= 1 << 16:
             raise ConfigError(f"{key} must be in 1..65536, got {getattr(s, key)}")
     # JSON as SGLang reads it accepts NaN and Infinity: NaN would switch the check off, Infinity every remote read.
