@@ -373,8 +373,6 @@ class NixlDataPlane:
         if failures:
             raise TransportError(f"{self._name}: close left work undone: {'; '.join(failures)}")
 
-    # ------------------------------------------------------------------ the read path
-
     # ------------------------------------------------------------------ connect helpers
 
     def _unreachable(self, link: _Peer) -> None:
