@@ -58,10 +58,10 @@ SUPPORTED: Mapping[str, Supported] = {
             "sglang",
             "SGLang",
             ("sglang",),
-            "0.5.23",
+            "0.5.22",
             "0.5.24",
             "the HiCache backend and its plugin",
-            'pip install "sglang>=0.5.23,<0.5.24"',
+            'pip install "sglang>=0.5.22,<0.5.24"',
         ),
         Supported(
             "nixl",

@@ -8,7 +8,7 @@ Checks, in order (each can be skipped with ``--skip``):
                  the source to progress. Quiet on a zero-copy path (CMA, RDMA); a warning naming
                  the cause on software emulation (``UCX_TLS=tcp``, CMA blocked).
 * ``config``     the SGLang extra-config (``--sglang-config``), parsed as the backend would.
-* ``sglang``     SGLang's version (kvcr is built against 0.5.23), and that what kvcr's backend
+* ``sglang``     SGLang's version (kvcr supports 0.5.22 and 0.5.23), and that what kvcr's backend
                  imports from SGLang (its storage API, host pools, storage factory) imports here.
 * ``memory``     ``dram_bytes`` x the ranks on this host fits in the memory the host has available,
                  and what that leaves for SGLang's own host pool.
@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcr import compat
 from kvcr.domain.errors import KvcrError
 from kvcr.integrations.shared.host import available_memory_bytes
 
-SGLANG_VERSION = "0.5.23"
 NIXL_VERSION = "1.5.1"
 CHECKS = ("versions", "nixl", "transport", "config", "sglang", "memory", "page-keys", "ports", "token")
 # What kvcr's SGLang backend imports at start-up (SGLang's storage API, its host pools, its factory).
@@ -131,8 +131,6 @@ def summary(findings: Sequence[Finding]) -> str:
 
 def check_versions() -> Finding:
     """Supported SGLang, NIXL and Dynamo versions, base dependencies, and the ``kvcr`` name clash."""
-    from kvcr import compat
-
     findings = compat.doctor_findings()
     problems = [f for f in findings if compat.is_problem(f)]
     if problems:
@@ -167,12 +165,11 @@ def check_transport(read_bytes: int) -> Finding:
 
 def check_sglang_version() -> Finding:
     version = _version("sglang")
+    supported = compat.SUPPORTED["sglang"]
     if version is None:
-        return Finding("sglang", Status.FAIL, f"sglang is not installed; kvcr's backend needs sglang=={SGLANG_VERSION}")
-    if version != SGLANG_VERSION:
-        return Finding(
-            "sglang", Status.WARN, f"sglang {version}; kvcr is built against sglang {SGLANG_VERSION}'s storage API"
-        )
+        return Finding("sglang", Status.FAIL, f"sglang is not installed; kvcr's backend needs sglang{supported.spec}")
+    if not compat.in_range(version, supported.minimum, supported.below):
+        return Finding("sglang", Status.WARN, f"sglang {version}; kvcr supports sglang{supported.spec}'s storage API")
     for module in SGLANG_MODULES:
         try:
             importlib.import_module(module)
@@ -227,9 +224,19 @@ def check_page_keys() -> Finding:
     from kvcr.domain.keys import page_hashes
 
     started = time.perf_counter()
-    cases = [(list(range(1000, 1000 + 16 * 4)), 16), ([7, 8, (1 << 40) + 3, 9], 2), (list(range(64 * 3)), 64)]
+    cases = [
+        (list(range(1000, 1000 + 16 * 4)), 16),
+        ([7, 8, (1 << 31) + 3, 9], 2),
+        ([7, 8, (1 << 40) + 3, 9], 2),
+        (list(range(64 * 3)), 64),
+    ]
+    widths = "64-bit token ids"
     for tokens, page_size in cases:
-        theirs = list(get_hash_str(tokens, None, page_size=page_size))
+        try:
+            theirs = list(get_hash_str(tokens, None, page_size=page_size))
+        except OverflowError:  # SGLang 0.5.22 packs token ids as uint32: no wider id reaches its storage
+            widths = "32-bit token ids, the widest this SGLang hashes"
+            continue
         ours = page_hashes(tokens, page_size)
         if ours != theirs:
             return Finding(
@@ -242,7 +249,7 @@ def check_page_keys() -> Finding:
     return Finding(
         "page-keys",
         Status.OK,
-        f"kvcr's page keys equal SGLang's get_hash_str (page sizes 2, 16, 64; 64-bit token ids) [{took:.1f}s]",
+        f"kvcr's page keys equal SGLang's get_hash_str (page sizes 2, 16, 64; {widths}) [{took:.1f}s]",
     )
 
 

@@ -16,4 +16,5 @@ step "import-linter"; "$BIN/lint-imports"
 SMOKE="${KVCR_WHEEL_SMOKE:-$(($# == 0))}"  # the full run (CI) smoke-tests the wheel; =1 forces, =0 skips
 step "wheel smoke";   if [ "$SMOKE" = 1 ]; then bash scripts/wheel_smoke.sh; else echo "skipped (KVCR_WHEEL_SMOKE=1 runs it)"; fi
 step "pytest";        "$BIN/python" -m pytest "$@"
+step "pytest, oldest SGLang"; if [ "${KVCR_OLDEST_SGLANG:-$(($# == 0))}" = 1 ]; then bash scripts/oldest_sglang.sh; else echo "skipped (KVCR_OLDEST_SGLANG=1 runs it)"; fi
 step "mutation (domain)"; if [ "${KVCR_MUTATION:-$(($# == 0))}" = 1 ]; then bash scripts/mutation.sh domain --check; else echo "skipped (KVCR_MUTATION=1 runs it)"; fi

@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's real classes on the CPU, as kvcr's tests, benchmarks and replica processes use them.
+"""SGLang's real classes on the CPU (0.5.22 and 0.5.23), as kvcr's tests, benchmarks and replica processes use them.
 
 ``host_pool`` builds a real ``MHATokenToKVPoolHost`` (page_first, bf16, 64-token pages, 8 heads x
 128 dims; the layer count sets the page size); ``storage_config`` a single-rank
@@ -50,9 +50,28 @@ def host_pool(
 ) -> Any:
     """SGLang's real MHA host pool on the CPU (bf16), holding exactly ``pages`` pages."""
     import torch
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    if not describes_device_pools():
+        # SGLang 0.5.22 builds a host pool from a device pool: a small CPU one lends the shapes
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+        device = MHATokenToKVPool(
+            (pages - 1) * page_tokens,  # the host pool adds one page to what it mirrors
+            page_tokens,
+            torch.bfloat16,
+            heads,
+            head_dim,
+            layers,
+            "cpu",
+            False,
+            enable_alt_stream=False,
+        )
+        host = MHATokenToKVPoolHost(device, 1.0, 0, page_tokens, layout, pin_memory=False, device="cpu")
+        return _exactly(host, pages)
+
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.common import make_kernel_ptr_table
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     tokens = page_tokens  # the device pool only lends shapes; the host pool is sized explicitly
     k = tuple(torch.zeros(tokens, heads, head_dim, dtype=torch.bfloat16) for _ in range(layers))
@@ -85,6 +104,73 @@ def host_pool(
         end_layer=layers,
         host_token_capacity=pages * page_tokens,
     )
+
+
+def mla_host_pool(
+    layers: int,
+    *,
+    page_tokens: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    layout: str,
+    device_tokens: int,
+) -> Any:
+    """SGLang's real MLA host pool on the CPU (bf16), twice the size of a ``device_tokens`` device pool."""
+    import torch
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    if not describes_device_pools():
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+        device = MLATokenToKVPool(
+            device_tokens, page_tokens, torch.bfloat16, kv_lora_rank, qk_rope_head_dim, layers, "cpu", False
+        )
+        return MLATokenToKVPoolHost(device, 2.0, 0, page_tokens, layout, pin_memory=False, device="cpu")
+
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.common import make_kernel_ptr_table
+
+    dim = kv_lora_rank + qk_rope_head_dim
+    bufs = tuple(torch.zeros(device_tokens + page_tokens, 1, dim, dtype=torch.bfloat16) for _ in range(layers))
+    info = MLABufferInfo(
+        buffers=bufs,
+        data_ptrs=make_kernel_ptr_table(list(bufs), "cpu", host_memory_registered=False),
+        layer_indices=tuple(range(layers)),
+        device_layer_num=layers,
+        page_size=page_tokens,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
+        kv_cache_dim=dim,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    return MLATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        page_tokens,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device_tokens,
+        start_layer=0,
+        end_layer=layers,
+        target_layer_num=layers,
+    )
+
+
+def describes_device_pools() -> bool:
+    """Whether this SGLang builds host pools from a description of the device pool (0.5.23) rather
+    than from the device pool itself (0.5.22)."""
+    from sglang.srt.mem_cache import device_pool_info
+
+    return hasattr(device_pool_info, "MHABufferInfo")
+
+
+def _exactly(host: Any, pages: int) -> Any:
+    if host.size != pages * host.page_size:
+        raise AssertionError(f"SGLang sized the host pool at {host.size} tokens, not {pages} pages")
+    return host
 
 
 def storage_config(port: int, **settings: Any) -> Any:

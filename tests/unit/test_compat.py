@@ -48,12 +48,23 @@ def test_a_supported_part_is_ok():
     assert finding.found == "sglang 0.5.23"
 
 
+@pytest.mark.parametrize("version", ["0.5.22", "0.5.23"])
+def test_every_sglang_release_ci_tests_is_supported(version):
+    # CI runs the SGLang tests against 0.5.23 and 0.5.22 (scripts/test.sh, "oldest SGLang")
+    assert check("sglang", version_of=versions(sglang=version)).status is Status.OK
+
+
+def test_sglang_0_5_21_is_below_the_window():
+    # its backend API fits, but its controller lacks the synced-hit hook kvcr's hints need (docs/install.md)
+    assert check("sglang", version_of=versions(sglang="0.5.21")).status is Status.UNSUPPORTED
+
+
 def test_an_unsupported_version_is_one_line_naming_found_and_supported():
-    finding = check("sglang", version_of=versions(sglang="0.5.21"))
+    finding = check("sglang", version_of=versions(sglang="0.5.20"))
     assert finding.status is Status.UNSUPPORTED
     assert "\n" not in finding.line
-    assert "sglang 0.5.21" in finding.line
-    assert "SGLang >=0.5.23,<0.5.24" in finding.line
+    assert "sglang 0.5.20" in finding.line
+    assert "SGLang >=0.5.22,<0.5.24" in finding.line
     assert compat.ALLOW_ENV in finding.line
 
 
@@ -107,15 +118,15 @@ def test_the_gate_passes_a_supported_environment():
 
 def test_the_gate_refuses_an_unsupported_version_with_its_line():
     with pytest.raises(IncompatibleEnvironment) as refused:
-        ensure_supported("sglang", version_of=versions(sglang="0.5.22"), environ={})
-    assert str(refused.value) == check("sglang", version_of=versions(sglang="0.5.22")).line
+        ensure_supported("sglang", version_of=versions(sglang="0.5.20"), environ={})
+    assert str(refused.value) == check("sglang", version_of=versions(sglang="0.5.20")).line
 
 
 def test_the_override_turns_an_unsupported_version_into_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="kvcr.compat"):
-        found = ensure_supported("sglang", version_of=versions(sglang="0.5.22"), environ={compat.ALLOW_ENV: "1"})
+        found = ensure_supported("sglang", version_of=versions(sglang="0.5.20"), environ={compat.ALLOW_ENV: "1"})
     assert found[-1].status is Status.UNSUPPORTED
-    assert "sglang 0.5.22" in caplog.text
+    assert "sglang 0.5.20" in caplog.text
 
 
 def test_the_override_does_not_excuse_a_missing_part():
@@ -149,7 +160,7 @@ def test_main_prints_one_line_per_check_and_fails_only_on_real_problems(capsys):
 
 def test_doctor_counts_clashes_unsupported_versions_and_missing_base_dependencies_only():
     missing_optional = check("dynamo", version_of=versions())
-    unsupported = check("sglang", version_of=versions(sglang="0.5.22"))
+    unsupported = check("sglang", version_of=versions(sglang="0.5.20"))
     clash = check_import_package(owners=["kvcr-runner", "kvcr"], loaded=OURS)
     missing_base = compat.check_base_dependencies(version_of=lambda d: None)
     assert [compat.is_problem(f) for f in (missing_optional, unsupported, clash, missing_base)] == [

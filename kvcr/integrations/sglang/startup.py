@@ -118,7 +118,7 @@ def check_topology(config: Any, settings: KvcrSettings) -> None:
         raise ConfigError(
             "kvcr refuses heterogeneous TP head splitting: a peer's shard would not match this rank's heads"
         )
-    if config.dcp_size > 1:
+    if getattr(config, "dcp_size", 1) > 1:  # SGLang 0.5.23 added decode CP; 0.5.22 has no such field
         raise ConfigError("kvcr does not support decode context parallelism (dcp_size > 1) yet")
     if config.attn_cp_size > 1:
         # Under DP attention SGLang hands storage the attention-TP rank, so rank 0 of every CP group

@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import threading
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.pool_host.common import make_kernel_ptr_table
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from kvcr.testing.sglang import host_pool
+from kvcr.testing.sglang import host_pool, mla_host_pool
 from tests.support import free_port as free_port  # re-exported for these tests
 
-P, L, H, D, MLA_DIM = 16, 4, 2, 8, 12
+P, L, H, D = 16, 4, 2, 8
+SGLANG = importlib.metadata.version("sglang")  # the release under test (CI runs the oldest supported too)
+# what SGLang 0.5.23 added to the storage API; the older releases kvcr supports lack it
+HAS_DECODE_CP = "dcp_size" in HiCacheStorageConfig.__dataclass_fields__
+
+
+def hashes_wide_token_ids() -> bool:
+    """SGLang 0.5.23 hashes 64-bit token ids; 0.5.22 packs them as uint32 and refuses wider ones."""
+    try:
+        get_hash_str([1 << 40], None, page_size=1)
+    except OverflowError:
+        return False
+    return True
 
 
 def mha_host(layout: str, pages: int = 17) -> Any:
@@ -25,31 +35,8 @@ def mha_host(layout: str, pages: int = 17) -> Any:
 
 
 def mla_host(layout: str, device_tokens: int = 128) -> Any:
-    bufs = tuple(torch.zeros(device_tokens + P, 1, MLA_DIM, dtype=torch.bfloat16) for _ in range(L))
-    info = MLABufferInfo(
-        buffers=bufs,
-        data_ptrs=make_kernel_ptr_table(list(bufs), "cpu", host_memory_registered=False),
-        layer_indices=tuple(range(L)),
-        device_layer_num=L,
-        page_size=P,
-        kv_lora_rank=8,
-        qk_rope_head_dim=4,
-        kv_cache_dim=MLA_DIM,
-        dtype=torch.bfloat16,
-        device=torch.device("cpu"),
-    )
-    return MLATokenToKVPoolHost(
-        info,
-        2.0,
-        0,
-        P,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=device_tokens,
-        start_layer=0,
-        end_layer=L,
-        target_layer_num=L,
+    return mla_host_pool(
+        L, page_tokens=P, kv_lora_rank=8, qk_rope_head_dim=4, layout=layout, device_tokens=device_tokens
     )
 
 

@@ -1,4 +1,4 @@
-"""kvcr doctor's SGLang checks against the installed SGLang 0.5.23."""
+"""kvcr doctor's SGLang checks against the installed SGLang (0.5.23, or the oldest supported in CI)."""
 
 import os
 import subprocess
@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from kvcr.doctor import Status, check_page_keys, check_sglang_version
+from tests.integration.sglang import sg
 
 REPO = Path(__file__).resolve().parents[3]
 PROBE = (
@@ -16,10 +17,10 @@ PROBE = (
 )
 
 
-def test_the_installed_sglang_is_the_one_kvcr_is_built_against():
+def test_the_installed_sglang_is_supported_and_fits():
     finding = check_sglang_version()
     assert finding.status is Status.OK
-    assert finding.detail == "sglang 0.5.23; kvcr's backend imports and its plugin's hook points fit"
+    assert finding.detail == f"sglang {sg.SGLANG}; kvcr's backend imports and its plugin's hook points fit"
 
 
 def test_an_sglang_whose_host_pool_cannot_import_fails_the_doctor_as_it_fails_the_backend():
@@ -36,4 +37,5 @@ def test_an_sglang_whose_host_pool_cannot_import_fails_the_doctor_as_it_fails_th
 def test_kvcr_page_keys_equal_sglangs_own_hashes():
     finding = check_page_keys()
     assert finding.status is Status.OK, finding.detail
-    assert "64-bit token ids" in finding.detail
+    widths = "64-bit token ids" if sg.hashes_wide_token_ids() else "32-bit token ids, the widest this SGLang hashes"
+    assert f"(page sizes 2, 16, 64; {widths})" in finding.detail

@@ -26,10 +26,9 @@ MAMBA_SLOTS = 9
 
 def mamba_host():
     """SGLang's real Mamba state host pool (one checkpoint per slot), on the CPU."""
-    info = MambaStateBufferInfo(
-        temporal=torch.zeros(2, MAMBA_SLOTS, 4, 8, dtype=torch.float32),
-        conv=(torch.zeros(2, MAMBA_SLOTS, 3, 16, dtype=torch.bfloat16),),
-    )
+    temporal = torch.zeros(2, MAMBA_SLOTS, 4, 8, dtype=torch.float32)
+    conv = (torch.zeros(2, MAMBA_SLOTS, 3, 16, dtype=torch.bfloat16),)
+    info = MambaStateBufferInfo(temporal=temporal, conv=conv)
     return MambaPoolHost(info, 2.0, 0, device_capacity=MAMBA_SLOTS, pin_memory=False, device="cpu", layout="page_first")
 
 
