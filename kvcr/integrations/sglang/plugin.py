@@ -11,6 +11,13 @@ hooks (see ``hints_bridge``):
   across ranks; pages past it will not be read (``prefetch_trimmed``);
 * after ``UnifiedRadixCache.revoke_pending_prefetch(request)``: a prefetch dropped before any
   read (``prefetch_finished``). Backends release the leases those pages hold at once.
+* around the PD decode side's ``DecodeHiCachePreallocMixin._build_decode_prefix_match(req, ...)``:
+  the decode scheduler never calls ``_prefetch_kvcache``; it asks storage for its hit synchronously
+  (``query_storage_hit_length``, under SGLang's anonymous ``__storage_hit_query__`` handle, then the
+  all-rank MIN), and its prefetch reads that span without a second query. The wrapper remembers the
+  request's hint and makes the request current for the call; the hit-query wrapper keeps that
+  request instead of the anonymous one, so the leases belong to the request and end with its
+  prefetch.
 
 A hint is advisory: a request without one, or a malformed one, is served from local DRAM only.
 
@@ -40,6 +47,8 @@ from kvcr.integrations.shared.page_tokens import default_registry
 log = logging.getLogger(__name__)
 
 _loaded = False
+ANONYMOUS_HIT_QUERY = "__storage_hit_query__"
+"""The request id of SGLang's synchronous hit query (``UnifiedRadixCache.query_storage_hit_length``)."""
 
 
 def _record_request_hint(original: Callable[..., Any], scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -49,8 +58,24 @@ def _record_request_hint(original: Callable[..., Any], scheduler: Any, req: Any,
     return original(scheduler, req, *args, **kwargs)
 
 
+def _decode_match_with_request_hint(
+    original: Callable[..., Any], queue: Any, req: Any, *args: Any, **kwargs: Any
+) -> Any:
+    rid = getattr(req, "rid", None)
+    if rid is None:
+        return original(queue, req, *args, **kwargs)
+    hints = getattr(req, "kv_hints", None)
+    if hints is not None:
+        hints_bridge.remember(str(rid), _builtins(hints))
+    with hints_bridge.active(str(rid)):
+        return original(queue, req, *args, **kwargs)
+
+
 def _with_request_hint(original: Callable[..., Any], controller: Any, operation: Any, *args: Any, **kwargs: Any) -> Any:
-    with hints_bridge.active(getattr(operation, "request_id", None)):
+    request_id = getattr(operation, "request_id", None)
+    if request_id == ANONYMOUS_HIT_QUERY and hints_bridge.current_request() is not None:
+        return original(controller, operation, *args, **kwargs)  # the request the caller made current
+    with hints_bridge.active(request_id):
         return original(controller, operation, *args, **kwargs)
 
 
@@ -131,6 +156,7 @@ def _install_dynamo_host_hooks() -> None:
 
 _WRAPPERS: dict[str, tuple[Callable[..., Any], str]] = {
     "_prefetch_kvcache": (_record_request_hint, "AROUND"),
+    "_build_decode_prefix_match": (_decode_match_with_request_hint, "AROUND"),
     "_storage_hit_query": (_with_request_hint, "AROUND"),
     "_page_transfer": (_transfer_with_request_hint, "AROUND"),
     "_sync_prefetch_hit_query": (_trim_to_synced_hit, "AROUND"),

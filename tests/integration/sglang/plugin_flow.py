@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from types import SimpleNamespace
+from typing import Any
 
 import tests.integration.sglang.conftest  # noqa: F401  (cache dirs, torchvision stub)
 
@@ -67,6 +68,9 @@ def main() -> None:
             }
         ],
     }
+    if sys.argv[1] == "decode":
+        _decode_side(a, host_a, src, ctrl, host_b, tokens, decode_kv_hints_envelope(envelope))
+        return
     req = SimpleNamespace(rid="req-7", kv_hints=decode_kv_hints_envelope(envelope))
     # The scheduler's entry point to storage prefetch (storage disabled on this stub: the hook
     # sees the request, the body returns at once).
@@ -101,6 +105,50 @@ def main() -> None:
     if dst is not None:
         result["prefetched_tokens"] = completed
         result["bytes_equal"] = sg.pages_equal(host_a, src, host_b, dst)
+    ctrl.detach_storage_backend()
+    a.close()
+    print("RESULT " + json.dumps(result))
+
+
+def _decode_side(a: Any, host_a: Any, src: Any, ctrl: Any, host_b: Any, tokens: list[int], hints: Any) -> None:
+    """PD decode as SGLang 0.5.23 runs it: the prealloc queue's ``_build_decode_prefix_match`` asks
+    ``UnifiedRadixCache.query_storage_hit_length`` (a synchronous hit query under SGLang's anonymous
+    ``__storage_hit_query__`` handle, then the all-rank MIN), and the prefetch that follows reads that
+    span with ``assume_stored`` (no second query). SGLang's real methods run on stand-ins for the
+    queue and the tree (one rank, nothing on the device, the root as the anchor)."""
+    from sglang.srt.disaggregation.decode_hicache_mixin import DecodeHiCachePreallocMixin
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from tests.integration.sglang import sg
+
+    tree = SimpleNamespace(
+        enable_storage=True,
+        cache_controller=ctrl,
+        page_size=sg.P,
+        prefetch_threshold=sg.P,
+        tree_core=SimpleNamespace(is_eagle=False),
+        hicache_storage_pass_prefix_keys=False,
+        _all_reduce_attn_groups=lambda tensor, op: None,  # one rank: the MIN of one
+        prefix_device_indices=lambda req: [],
+        is_backuped=lambda node: False,
+        is_root=lambda node: True,
+        get_last_hash_value=lambda node: None,
+    )
+    tree.query_storage_hit_length = lambda *args, **kwargs: UnifiedRadixCache.query_storage_hit_length(
+        tree, *args, **kwargs
+    )
+    queue = SimpleNamespace(tree_cache=tree, scheduler=SimpleNamespace(enable_decode_hicache=True))
+    req = SimpleNamespace(rid="req-d", kv_hints=hints, origin_input_ids=tokens, extra_key=None, cache_salt=None)
+    matched = SimpleNamespace(host_hit_length=0, last_host_node="root", last_device_node="root")
+    match = DecodeHiCachePreallocMixin._build_decode_prefix_match(queue, req, matched)
+    result: dict[str, Any] = {"hit_tokens": match.l3_storage_hit_length, "leases_after_query": a.runner.active_leases}
+    if match.l3_storage_hit_length:
+        op = ctrl.prefetch(CacheRequestHandle(rid="req-d", attempt_id=0), tokens, None, None, assume_stored=True)
+        _, dst, completed = sg.finish_prefetch(ctrl, op, timeout=20)
+        result["prefetched_tokens"] = completed
+        result["bytes_equal"] = dst is not None and sg.pages_equal(host_a, src, host_b, dst)
+    result["leases"] = a.runner.active_leases
     ctrl.detach_storage_backend()
     a.close()
     print("RESULT " + json.dumps(result))

@@ -174,6 +174,11 @@ def prefetch(ctrl: Any, rid: str, tokens: list[int], timeout: float = 30.0) -> t
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 
     op = ctrl.prefetch(CacheRequestHandle(rid=rid, attempt_id=0), tokens, None, None)
+    return finish_prefetch(ctrl, op, timeout)
+
+
+def finish_prefetch(ctrl: Any, op: Any, timeout: float = 30.0) -> tuple[Any, Any, int]:
+    """The rest of a prefetch ``ctrl.prefetch`` started: the hit, the host pages for it, the reads."""
     if ctrl.prefetch_hit_queue.get(timeout=timeout) is not op:
         raise AssertionError("the controller answered another operation's hit query")
     if not op.storage_hit_count:

@@ -71,3 +71,15 @@ def test_a_hook_point_this_sglang_changed_turns_hints_off_loudly_and_the_rest_ke
     assert "get no KV events" not in logs[0]  # the backup hook point is unchanged: still captured
     status, detail = result["doctor"]  # and kvcr doctor is red, naming the point
     assert status == "FAIL" and "request hints (or KV events) off" in detail and target in detail, detail
+
+
+@pytest.mark.multiprocess
+def test_pd_decode_keeps_the_requests_hint_through_sglangs_anonymous_hit_query():
+    """SGLang's decode side asks storage for its hit under a handle that names no request; the hint
+    must still be current there, or a PD decode worker never reads a peer's pages."""
+    result = run_flow("decode")
+    assert result["hit_tokens"] == 4 * 16
+    assert result["leases_after_query"] > 0  # the query leased the peer's pages for this request ...
+    assert result["prefetched_tokens"] == 4 * 16
+    assert result["bytes_equal"] is True
+    assert result["leases"] == 0  # ... and the prefetch's end let them go
