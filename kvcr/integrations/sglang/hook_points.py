@@ -37,6 +37,10 @@ HINT_POINTS: tuple[HookPoint, ...] = (
         "sglang.srt.disaggregation.decode_hicache_mixin.DecodeHiCachePreallocMixin._build_decode_prefix_match",
         ("self", "req"),
     ),
+    HookPoint(
+        "sglang.srt.disaggregation.decode_hicache_mixin.DecodeHiCachePreallocMixin._start_hicache_prefetch",
+        ("self", "req", "prefix_match"),
+    ),
     *(HookPoint(f"{c}._storage_hit_query", ("self", "operation")) for c in _CONTROLLERS),
     *(HookPoint(f"{c}._page_transfer", ("self", "operation")) for c in _CONTROLLERS),
     *(HookPoint(f"{c}._sync_prefetch_hit_query", ("self", "operation", "storage_hit_count")) for c in _CONTROLLERS),

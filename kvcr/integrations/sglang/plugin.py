@@ -17,7 +17,8 @@ hooks (see ``hints_bridge``):
   all-rank MIN), and its prefetch reads that span without a second query. The wrapper remembers the
   request's hint and makes the request current for the call; the hit-query wrapper keeps that
   request instead of the anonymous one, so the leases belong to the request and end with its
-  prefetch.
+  prefetch; after ``_start_hicache_prefetch(req, prefix_match)`` left no L3 span (SGLang declined
+  the prefetch: below its threshold, rate limited, or an error), they end at once.
 
 A hint is advisory: a request without one, or a malformed one, is served from local DRAM only.
 
@@ -107,6 +108,15 @@ def _trim_to_synced_hit(
     return synced
 
 
+def _finish_declined_decode_prefetch(
+    result: Any, queue: Any, req: Any, prefix_match: Any, *args: Any, **kwargs: Any
+) -> None:
+    del result, queue, args, kwargs  # an AFTER hook: None keeps the original's result
+    rid = getattr(req, "rid", None)
+    if rid is not None and prefix_match is not None and getattr(prefix_match, "l3_storage_hit_length", 0) <= 0:
+        _notify(hints_bridge.prefetch_finished, str(rid))  # no prefetch was issued: nothing reads the leases
+
+
 def _finish_revoked(result: Any, cache: Any, request: Any, *args: Any, **kwargs: Any) -> None:
     del result, cache, args, kwargs  # an AFTER hook: None keeps the original's result
     rid = getattr(request, "rid", None)
@@ -157,6 +167,7 @@ def _install_dynamo_host_hooks() -> None:
 _WRAPPERS: dict[str, tuple[Callable[..., Any], str]] = {
     "_prefetch_kvcache": (_record_request_hint, "AROUND"),
     "_build_decode_prefix_match": (_decode_match_with_request_hint, "AROUND"),
+    "_start_hicache_prefetch": (_finish_declined_decode_prefetch, "AFTER"),
     "_storage_hit_query": (_with_request_hint, "AROUND"),
     "_page_transfer": (_transfer_with_request_hint, "AROUND"),
     "_sync_prefetch_hit_query": (_trim_to_synced_hit, "AROUND"),

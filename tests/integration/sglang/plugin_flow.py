@@ -68,8 +68,9 @@ def main() -> None:
             }
         ],
     }
-    if sys.argv[1] == "decode":
-        _decode_side(a, host_a, src, ctrl, host_b, tokens, decode_kv_hints_envelope(envelope))
+    if sys.argv[1] in ("decode", "decode-declined"):
+        declined = sys.argv[1] == "decode-declined"
+        _decode_side(a, host_a, src, ctrl, host_b, tokens, decode_kv_hints_envelope(envelope), declined)
         return
     req = SimpleNamespace(rid="req-7", kv_hints=decode_kv_hints_envelope(envelope))
     # The scheduler's entry point to storage prefetch (storage disabled on this stub: the hook
@@ -110,12 +111,15 @@ def main() -> None:
     print("RESULT " + json.dumps(result))
 
 
-def _decode_side(a: Any, host_a: Any, src: Any, ctrl: Any, host_b: Any, tokens: list[int], hints: Any) -> None:
+def _decode_side(
+    a: Any, host_a: Any, src: Any, ctrl: Any, host_b: Any, tokens: list[int], hints: Any, declined: bool
+) -> None:
     """PD decode as SGLang 0.5.23 runs it: the prealloc queue's ``_build_decode_prefix_match`` asks
     ``UnifiedRadixCache.query_storage_hit_length`` (a synchronous hit query under SGLang's anonymous
     ``__storage_hit_query__`` handle, then the all-rank MIN), and the prefetch that follows reads that
-    span with ``assume_stored`` (no second query). SGLang's real methods run on stand-ins for the
-    queue and the tree (one rank, nothing on the device, the root as the anchor)."""
+    span with ``assume_stored`` (no second query) once ``_start_hicache_prefetch`` admits it, or
+    nothing at all when the tree declines it (``declined``). SGLang's real methods run on stand-ins
+    for the queue and the tree (one rank, nothing on the device, the root as the anchor)."""
     from sglang.srt.disaggregation.decode_hicache_mixin import DecodeHiCachePreallocMixin
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -138,14 +142,34 @@ def _decode_side(a: Any, host_a: Any, src: Any, ctrl: Any, host_b: Any, tokens: 
     tree.query_storage_hit_length = lambda *args, **kwargs: UnifiedRadixCache.query_storage_hit_length(
         tree, *args, **kwargs
     )
+    started: list[Any] = []
+
+    def prefetch_from_storage(
+        handle: Any, node: Any, new_tokens: list[int], last_hash: Any, *args: Any, **kw: Any
+    ) -> Any:
+        if declined:  # below the threshold or rate limited: SGLang's tree issues nothing
+            return None
+        started.append(ctrl.prefetch(handle, new_tokens, last_hash, None, assume_stored=True))
+        return True
+
+    tree.prefetch_from_storage = prefetch_from_storage
+    tree.has_ongoing_prefetch = lambda handle: bool(started)
     queue = SimpleNamespace(tree_cache=tree, scheduler=SimpleNamespace(enable_decode_hicache=True))
-    req = SimpleNamespace(rid="req-d", kv_hints=hints, origin_input_ids=tokens, extra_key=None, cache_salt=None)
+    req = SimpleNamespace(
+        rid="req-d",
+        kv_hints=hints,
+        origin_input_ids=tokens,
+        extra_key=None,
+        cache_salt=None,
+        cache_request_handle=CacheRequestHandle(rid="req-d", attempt_id=0),
+    )
     matched = SimpleNamespace(host_hit_length=0, last_host_node="root", last_device_node="root")
     match = DecodeHiCachePreallocMixin._build_decode_prefix_match(queue, req, matched)
     result: dict[str, Any] = {"hit_tokens": match.l3_storage_hit_length, "leases_after_query": a.runner.active_leases}
-    if match.l3_storage_hit_length:
-        op = ctrl.prefetch(CacheRequestHandle(rid="req-d", attempt_id=0), tokens, None, None, assume_stored=True)
-        _, dst, completed = sg.finish_prefetch(ctrl, op, timeout=20)
+    DecodeHiCachePreallocMixin._start_hicache_prefetch(queue, req, match)  # after admission
+    result["hit_after_start"] = match.l3_storage_hit_length
+    if started:
+        _, dst, completed = sg.finish_prefetch(ctrl, started[0], timeout=20)
         result["prefetched_tokens"] = completed
         result["bytes_equal"] = dst is not None and sg.pages_equal(host_a, src, host_b, dst)
     result["leases"] = a.runner.active_leases

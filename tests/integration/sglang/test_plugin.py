@@ -83,3 +83,11 @@ def test_pd_decode_keeps_the_requests_hint_through_sglangs_anonymous_hit_query()
     assert result["prefetched_tokens"] == 4 * 16
     assert result["bytes_equal"] is True
     assert result["leases"] == 0  # ... and the prefetch's end let them go
+
+
+@pytest.mark.multiprocess
+def test_a_pd_decode_prefetch_sglang_declines_releases_what_its_query_leased():
+    result = run_flow("decode-declined")
+    assert result["hit_tokens"] == 4 * 16 and result["leases_after_query"] > 0
+    assert result["hit_after_start"] == 0  # SGLang's tree issued no prefetch: nothing will read them
+    assert result["leases"] == 0  # released at once, not held for lease_ms
