@@ -41,6 +41,7 @@ for pkg in "${packages[@]}"; do
     # mutmut works in the current directory: kvcr and tests by link, the package's own config.
     ln -sfn "$REPO/kvcr" "$work/kvcr"
     ln -sfn "$REPO/tests" "$work/tests"
+    for doc in README.md docs scripts; do ln -sfn "$REPO/$doc" "$work/$doc"; done  # the doc tests read them
     "$BIN/python" scripts/mutation_report.py config "$pkg" >"$work/pyproject.toml"
     started=$SECONDS
     printf '\n== mutation %s (%s jobs, log: %s)\n' "$pkg" "$jobs" "$work/run.log"
