@@ -71,6 +71,14 @@ def test_a_holder_past_its_page_cap_gets_misses_counted_over_quota():
     assert other.slots == ((1,),) and other.over_quota == 0
 
 
+def test_a_holders_page_cap_is_per_pool():
+    table, ix = LeaseTable(4), indexes(peer_cap=2, pools=("kv", "idx"))
+    grant, leased = lease(table, ix, [("kv", PAGES[:2]), ("idx", PAGES[:2])], holder=5)
+    assert grant.over_quota == 0 and leased == {"kv": 2, "idx": 2}  # two pools, two pages each: at the cap
+    more, _ = lease(table, ix, [("idx", PAGES[2:3])], holder=5)
+    assert more.slots == ((MISSING_SLOT,),) and more.over_quota == 1
+
+
 def test_a_holder_at_its_lease_cap_gets_nothing_and_every_page_counts_over_quota():
     table, ix = LeaseTable(1), indexes(pools=("kv", "idx"))
     lease(table, ix, [("kv", PAGES[:1])], holder=5)
