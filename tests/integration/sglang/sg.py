@@ -133,7 +133,9 @@ class FakeAllocator:
         pass
 
 
-def controller(host: Any, *, storage_metrics: bool = False, tp_group: Any = None, **settings: Any) -> Any:
+def controller(
+    host: Any, *, storage_metrics: bool = False, tp_group: Any = None, attn_tp_group: Any = None, **settings: Any
+) -> Any:
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
@@ -155,6 +157,7 @@ def controller(host: Any, *, storage_metrics: bool = False, tp_group: Any = None
         mem_pool_host=group,
         page_size=P,
         tp_group=tp_group,
+        attn_tp_group=attn_tp_group,
         load_cache_event=threading.Event(),
         io_backend="direct",
         storage_backend="dynamic",

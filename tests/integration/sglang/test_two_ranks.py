@@ -30,6 +30,8 @@ def run_ranks(
     env: dict[str, str] | None = None,
     peer: bool = False,
     dead_peer_rank: int | None = None,
+    dp_attention: bool = False,
+    identities: list | None = None,
 ):
     init_port, control_port = free_port(), free_port(2)
     extra = {"peer": {"port": free_port(2)}, "dead_peer_rank": dead_peer_rank} if peer else {}
@@ -42,6 +44,7 @@ def run_ranks(
             "pages": list(pages),
             "rounds": rounds,
             "prompt_pages": prompt_pages,
+            "dp_attention": dp_attention,
             **extra,
         }
         children.append(
@@ -66,7 +69,10 @@ def run_ranks(
             if child.poll() is None:
                 child.kill()
                 child.wait()
-    return [r["rounds"] for r in sorted(results, key=lambda r: r["rank"])]
+    ordered = sorted(results, key=lambda r: r["rank"])
+    if identities is not None:
+        identities.extend(r["storage"] for r in ordered)
+    return [r["rounds"] for r in ordered]
 
 
 def test_the_rank_holding_fewer_pages_shrinks_the_restore_for_both():
@@ -113,3 +119,15 @@ def test_a_peer_failing_on_one_rank_is_a_miss_on_both_and_no_byte_lands_wrong():
     assert [r["completed"] for r in (*rank0, *rank1)] == [0, 0]
     assert all(r["bytes_ok"] for r in (*rank0, *rank1))
     assert rank0[0]["peer_leases"] == 0  # what rank 0's hit query leased was let go when the MIN trimmed it
+
+
+def test_dp_attention_ranks_are_replicas_each_restoring_what_its_own_kvcr_holds():
+    """DP attention 2 x 1: each attention-DP rank is its own replica (attention-TP group of one), so
+    SGLang syncs nothing across them; kvcr sees tp 0 of 1 with dp_rank 0 and 1 and serves each alone
+    (on its own control port: base + dp rank)."""
+    identities: list = []
+    rank0, rank1 = run_ranks((5, 3), dp_attention=True, identities=identities)
+    assert identities == [{"tp_rank": 0, "tp_size": 1, "dp_rank": 0}, {"tp_rank": 0, "tp_size": 1, "dp_rank": 1}]
+    assert [r["hit"] for r in (*rank0, *rank1)] == [5 * 16, 3 * 16]  # no MIN across DP ranks
+    assert [r["completed"] for r in (*rank0, *rank1)] == [5 * 16, 3 * 16]
+    assert all(r["bytes_ok"] for r in (*rank0, *rank1))

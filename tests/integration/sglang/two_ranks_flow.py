@@ -39,10 +39,21 @@ def main() -> None:
         timeout=timedelta(seconds=60),
     )
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=rank, tp_size=2, pp_rank=0, pp_size=1)
+    attn_tp_group = None
+    if spec.get("dp_attention"):
+        # DP attention 2 x 1 as initialize_dp_attention leaves it: TP 2 split into two attention-DP
+        # ranks with an attention-TP group of one each (every rank creates every group)
+        from sglang.srt.runtime_context import get_flags
+
+        get_flags().dp.enabled = True
+        get_parallel().override_permanently(attn_tp_rank=0, attn_tp_size=1, attn_dp_rank=rank, attn_dp_size=2)
+        attn_tp_group = [dist.new_group([0]), dist.new_group([1])][rank]
     host = sg.mha_host("page_first")
     peer = spec.get("peer")
     settings = {"enable_remote_hint": True} if peer else {}
-    ctrl, group = sg.controller(host, tp_group=dist.group.WORLD, control_port=spec["control_port"], **settings)
+    ctrl, group = sg.controller(
+        host, tp_group=dist.group.WORLD, attn_tp_group=attn_tp_group, control_port=spec["control_port"], **settings
+    )
     replica: Any = None
     peer_host: Any = None
     if peer:
@@ -88,7 +99,15 @@ def main() -> None:
         if replica is not None:
             replica.close()
         dist.destroy_process_group()
-    print("RESULT " + json.dumps({"rank": rank, "rounds": rounds, "torch": torch.__version__}), flush=True)
+    identity = {
+        "tp_rank": ctrl.storage_config.tp_rank,
+        "tp_size": ctrl.storage_config.tp_size,
+        "dp_rank": ctrl.storage_config.dp_rank,
+    }
+    print(
+        "RESULT " + json.dumps({"rank": rank, "rounds": rounds, "storage": identity, "torch": torch.__version__}),
+        flush=True,
+    )
 
 
 def _peer_replica(port: int, rank: int, host: Any, *, dead: bool) -> Any | None:
