@@ -17,6 +17,7 @@ from kvcr.ports.errors import PeerUnavailable
 from kvcr.runner import protocol
 from kvcr.runner.peer_client import PeerClient, PeerSettings, PoolRead
 from kvcr.runner.protocol import LeaseReply
+from tests.runner.test_peer_client_paths import restarted
 from tests.support import Cluster, content, indexer_pool, kv_pool, seed, sequence
 
 TIMING = Timing(operation_s=2.0, abandon_s=4.0, control_s=0.25, lease_s=5.0, lease_margin_s=0.5, retry_after_s=1.0)
@@ -145,14 +146,6 @@ def test_an_unusable_lease_granted_over_the_side_link_is_released_under_the_side
 
 
 # ---------------------------------------------------------------------------------------------- restarts
-
-
-def restarted(cluster, a, pages):
-    """A new process at A's address (A goes away, another starts: a new incarnation, other bytes)."""
-    a.close()
-    a2 = cluster.make("A", port=int(a.endpoint.rsplit(":", 1)[1]))
-    seed(a2, pages, range(len(pages)), salt="restarted")
-    return a2
 
 
 def test_an_old_incarnations_refused_read_after_the_new_one_answered_hello_skips_nothing(cluster, caplog):
