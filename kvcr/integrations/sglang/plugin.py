@@ -52,10 +52,14 @@ ANONYMOUS_HIT_QUERY = "__storage_hit_query__"
 """The request id of SGLang's synchronous hit query (``UnifiedRadixCache.query_storage_hit_length``)."""
 
 
-def _record_request_hint(original: Callable[..., Any], scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+def _remember_hint(req: Any) -> None:
     hints = getattr(req, "kv_hints", None)
     if hints is not None:
         hints_bridge.remember(str(req.rid), _builtins(hints))
+
+
+def _record_request_hint(original: Callable[..., Any], scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    _remember_hint(req)
     return original(scheduler, req, *args, **kwargs)
 
 
@@ -65,9 +69,7 @@ def _decode_match_with_request_hint(
     rid = getattr(req, "rid", None)
     if rid is None:
         return original(queue, req, *args, **kwargs)
-    hints = getattr(req, "kv_hints", None)
-    if hints is not None:
-        hints_bridge.remember(str(rid), _builtins(hints))
+    _remember_hint(req)
     with hints_bridge.active(str(rid)):
         return original(queue, req, *args, **kwargs)
 
