@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvcr.domain.errors import KvcrError
+
 PAGE_TOKENS, HEADS, HEAD_DIM = 64, 8, 128
 LAYER_BYTES = 2 * PAGE_TOKENS * HEADS * HEAD_DIM * 2  # K and V of one layer of one page, bf16
 
@@ -169,7 +171,7 @@ def describes_device_pools() -> bool:
 
 def _exactly(host: Any, pages: int) -> Any:
     if host.size != pages * host.page_size:
-        raise AssertionError(f"SGLang sized the host pool at {host.size} tokens, not {pages} pages")
+        raise KvcrError(f"SGLang sized the host pool at {host.size} tokens, not the {pages} pages asked for")
     return host
 
 

@@ -116,7 +116,7 @@ class BeaconReads:
             self._table.pop(handle)
             assert transfer.slot is not None
             held = transfer.state is TransferState.DONE and digest(self._beacon.slot_bytes(transfer.slot)) == expected
-            self._free(transfer.slot, transfer)
+            self._free(transfer)
             return held
 
     def sweep(self) -> None:
@@ -126,7 +126,7 @@ class BeaconReads:
                 self._table.refresh(transfer)
                 if transfer.state.terminal:
                     self._table.pop(handle)
-                    self._free(transfer.slot, transfer)
+                    self._free(transfer)
 
     def complete_in_post(self, peer: str, desc: Description, deadline: float) -> bool:
         """Whether READs from this peer land their bytes before ``transfer()`` returns (CMA).
@@ -149,8 +149,8 @@ class BeaconReads:
                 return True
         return False
 
-    def _free(self, slot: int, transfer: Any) -> None:
-        self._beacon.give_back(slot)
+    def _free(self, transfer: Any) -> None:
+        self._beacon.give_back(transfer.slot)
         with contextlib.suppress(TransportError):  # an ended READ: releasing it frees NIXL's request
             self._table.detach(transfer)
         self._table.ended(transfer)
