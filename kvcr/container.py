@@ -212,6 +212,8 @@ def _zmq_control(settings: NodeSettings, metrics: Metrics) -> ControlChannel:
         advertise_host=settings.advertise_host,
         token=settings.token,
         rotation_tokens=settings.rotation_tokens,
+        node_secret_key=settings.node_secret_key,
+        peer_directory_file=settings.peer_directory_file,
         allow_unauthenticated=settings.allow_unauthenticated,
         handshake_timeout_s=settings.handshake_timeout_s,
         # Sessions are bound to the control connection: it outlives the peer link that uses it, so

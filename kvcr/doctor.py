@@ -41,7 +41,7 @@ from kvcr.domain.errors import KvcrError
 from kvcr.integrations.shared.host import available_memory_bytes
 
 NIXL_VERSION = "1.5.1"
-CHECKS = ("versions", "nixl", "transport", "config", "sglang", "memory", "page-keys", "ports", "token")
+CHECKS = ("versions", "nixl", "transport", "config", "sglang", "memory", "page-keys", "ports", "token", "identity")
 # What kvcr's SGLang backend imports at start-up (SGLang's storage API, its host pools, its factory).
 SGLANG_MODULES = (
     "sglang.srt.mem_cache.hicache_storage",
@@ -103,6 +103,7 @@ def run_doctor(options: DoctorOptions, report: Callable[[Finding], None] = lambd
         ("page-keys", check_page_keys),
         ("ports", lambda: check_ports(*_ports(options, settings))),
         ("token", lambda: check_token(options.token_file or _get(settings, "auth_token_file"))),
+        ("identity", lambda: check_identity(options, settings)),
     ]
     for name, step in steps:
         if name in options.skip:
@@ -294,6 +295,36 @@ def check_token(path_text: str | None) -> Finding:
     if info.st_uid != os.geteuid():
         return Finding("token", Status.WARN, f"{path} belongs to uid {info.st_uid}, not to this user")
     return Finding("token", Status.OK, f"{path}: {size} bytes, mode {mode:04o}")
+
+
+def check_identity(options: DoctorOptions, settings: Any) -> Finding:
+    """Per-node identities as the backend builds them: the key file, the directory, and every rank's
+    endpoint listed there with this node's key (peers refuse, and are refused by, a node that is not)."""
+    key_file, directory_file = _get(settings, "node_key_file"), _get(settings, "peer_directory_file")
+    if not key_file:
+        return Finding("identity", Status.SKIP, "no node_key_file: no per-node identity (a cluster token or none)")
+    from kvcr.adapters.zmq.identity import NodeIdentity, PeerDirectory
+    from kvcr.domain.hints import Endpoint
+    from kvcr.integrations.shared.settings import read_token_file
+
+    host = _get(settings, "control_advertise_host") or options.control_host or _get(settings, "control_host")
+    base = options.control_port if options.control_port is not None else _get(settings, "control_port")
+    try:
+        secret = read_token_file(key_file, "node_key_file")
+        directory = PeerDirectory(directory_file)
+        endpoints = [str(Endpoint(host, base + rank)) for rank in range(options.tp_size)]
+        for endpoint in endpoints:
+            public = NodeIdentity(secret, directory, endpoint).public_key
+    except KvcrError as exc:
+        return Finding("identity", Status.FAIL, f"{exc}; kvcr will not start with it")
+    except ValueError as exc:  # an endpoint that cannot be dialled (e.g. a wildcard host)
+        return Finding("identity", Status.FAIL, f"control endpoint: {exc}")
+    nodes = len(directory.current().keys)
+    return Finding(
+        "identity",
+        Status.OK,
+        f"key {public.decode()[:8]}... listed at {', '.join(endpoints)}; {nodes} nodes in {directory_file}",
+    )
 
 
 # ---------------------------------------------------------------------- helpers

@@ -106,6 +106,7 @@ class Cluster:
         pools=None,
         slots=16,
         token=None,
+        identity=None,
         faults=None,
         model="m",
         timing=None,
@@ -131,8 +132,15 @@ class Cluster:
             # These pools are tiny: one peer may lease up to the pool's cap unless a test asks for the quota.
             max_peer_leased_fraction=peer_share,
         )
+        key, directory = identity or (None, None)  # per-node identities: (secret key, directory file)
         settings = NodeSettings(
-            "127.0.0.1", port or free_port(), token=token, peer=peer or PeerSettings(), close_lease_wait_s=0.2
+            "127.0.0.1",
+            port or free_port(),
+            token=token,
+            node_secret_key=key,
+            peer_directory_file=None if directory is None else str(directory),
+            peer=peer or PeerSettings(),
+            close_lease_wait_s=0.2,
         )
         container = build_container(
             config,

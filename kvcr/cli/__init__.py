@@ -17,7 +17,7 @@ from typing import Any
 
 from kvcr.cli.bench import _save_json, add_bench_commands
 from kvcr.cli.common import _Help, _Parser, _port, _positive
-from kvcr.domain.errors import KvcrError
+from kvcr.domain.errors import ConfigError, KvcrError
 from kvcr.domain.transports import CROSS_PROCESS
 from kvcr.domain.units import parse_byte_size
 
@@ -157,6 +157,21 @@ def _worker(argv: Sequence[str]) -> int:
     return worker_main(list(argv))
 
 
+def _keygen(args: argparse.Namespace) -> int:
+    from kvcr.adapters.zmq.identity import write_node_key
+    from kvcr.domain.hints import Endpoint
+
+    try:
+        base = Endpoint.parse(args.endpoint, require_scheme=False)
+    except ValueError as exc:
+        raise ConfigError(f"--endpoint {args.endpoint!r}: {exc}") from exc
+    public = write_node_key(args.key_file).decode()
+    print(f"# {args.key_file}: this node's secret key (mode 0600). Add these lines to every node's peer directory:")
+    for rank in range(args.ranks):
+        print(f"{base.offset(rank)} {public}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvcr", description="KV-cache reuse runner", formatter_class=_Help)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -249,6 +264,20 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--metrics-port", type=_port, help="serve the soak's figures on this /metrics port (loopback)")
     soak.add_argument("--json", help="also write the full report here")
     soak.set_defaults(func=_soak)
+
+    keygen = command(
+        commands,
+        "keygen",
+        "make this node's own CURVE key (per-node identities: node_key_file) and print its peer directory lines",
+    )
+    keygen.add_argument("key_file", help="where to write the secret key (a new file, mode 0600)")
+    keygen.add_argument(
+        "--endpoint", required=True, help="the node's control endpoint as peers dial it (tcp://host:port)"
+    )
+    keygen.add_argument(
+        "--ranks", type=_positive("--ranks"), default=1, help="ranks serving port, port + 1, ... (SGLang's TP ranks)"
+    )
+    keygen.set_defaults(func=_keygen)
 
     doctor = command(commands, "doctor", "check this host before enabling kvcr; one line per check")
     doctor.add_argument(

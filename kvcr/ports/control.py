@@ -28,7 +28,25 @@ Handler = Callable[[bytes], bytes | None]
 ConnectionHandler = Callable[[bytes, bytes], bytes | None]
 """Like :data:`Handler`, also given the connection the frame came over: opaque bytes, equal for every
 frame of one connection and never equal for two connections of the channel's life (with credentials,
-bound to the handshake that authenticated it, so no other peer can present it)."""
+bound to the handshake that authenticated it, so no other peer can present it).
+
+Its first byte is the length of the *node* the connection belongs to, then that node's name, then the
+rest: a channel that authenticates each node with its own key names it there (every connection of
+one node the same name), one that cannot tell nodes apart (a shared token, no credentials) leaves it
+empty. Read it with :func:`node_of`."""
+
+
+def node_of(connection: bytes) -> bytes | None:
+    """The authenticated node a connection belongs to, or None where only the connection is known."""
+    size = connection[0] if connection else 0
+    return connection[1 : 1 + size] if size and len(connection) > size else None
+
+
+def with_node(node: bytes, rest: bytes) -> bytes:
+    """A connection's bytes naming ``node`` (b"": none) before ``rest``; see :data:`ConnectionHandler`."""
+    if len(node) > 255:
+        raise ValueError(f"a node name is at most 255 bytes, got {len(node)}")
+    return bytes([len(node)]) + node + rest
 
 
 class ControlChannel(Protocol):

@@ -125,6 +125,8 @@ class RefusalReason(str, enum.Enum):
     PROTOCOL = "protocol"
     HANDSHAKE = "handshake"
     FRAME = "frame"
+    # (per-node identities) a request over a connection whose node the peer directory no longer lists:
+    REVOKED = "revoked"
 
 
 class Lookup(str, enum.Enum):

@@ -59,6 +59,8 @@ class NodeSettings:
     advertise_host: str | None = None
     token: bytes | None = None
     rotation_tokens: tuple[bytes, ...] = ()
+    node_secret_key: bytes | None = None  # per-node identities instead of a token: this node's own key
+    peer_directory_file: str | None = None  # ... and the file listing every node's key and endpoint
     allow_unauthenticated: bool = False
     peer: PeerSettings = field(default_factory=PeerSettings)
     close_lease_wait_s: float = 2.0
@@ -71,11 +73,12 @@ class NodeSettings:
             raise ConfigError(
                 f"control_advertise_host must be a dialable address when control_host is {self.control_host!r}"
             )
-        if self.token is None and not is_loopback(self.control_host) and not self.allow_unauthenticated:
+        authenticated = self.token is not None or self.node_secret_key is not None
+        if not authenticated and not is_loopback(self.control_host) and not self.allow_unauthenticated:
             raise ConfigError(
-                f"control_host {self.control_host!r} is not loopback and no auth_token_file is set: any process "
-                "that reaches it could read kvcr DRAM. Set auth_token_file (recommended), or "
-                "allow_unauthenticated: true to accept that"
+                f"control_host {self.control_host!r} is not loopback and neither auth_token_file nor "
+                "node_key_file is set: any process that reaches it could read kvcr DRAM. Set one of them "
+                "(recommended), or allow_unauthenticated: true to accept that"
             )
         if self.peer.landing not in LANDINGS:
             raise ConfigError(f"landing must be one of {', '.join(LANDINGS)}, got {self.peer.landing!r}")

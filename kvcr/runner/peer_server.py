@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvcr.domain.layout import PieceRun
+from kvcr.ports.control import node_of
 from kvcr.ports.dataplane import DataPlane, GuardedReads, PeerActivity, SideChannel
 from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metric_catalogue import RefusalReason
@@ -79,7 +80,7 @@ class ServerLimits:
 class _Session:
     sender: str
     connection: bytes  # the connection whose HELLO opened it: the only one that may use it
-    holder: int  # the connection as the runner's lease holder: its quota is shared by its sessions
+    holder: int  # the node (or connection) as the runner's lease holder: its quota is shared by its sessions
     pools: dict[int, str]  # pool id on this link -> pool name
     leases: set[int] = field(default_factory=set)
     nonces: set[bytes] = field(default_factory=set)
@@ -301,5 +302,8 @@ class PeerServer:
 
 
 def _holder(connection: bytes) -> int:
-    """A connection as a non-zero lease holder id (every session it opens shares one quota)."""
-    return int.from_bytes(hashlib.blake2b(connection, digest_size=8).digest(), "big") >> 1 | 1
+    """A non-zero lease holder id: the connection's node where the channel knows it (every connection
+    of that node then shares one quota), else the connection (every session it opens shares one)."""
+    node = node_of(connection)
+    named = b"node:" + node if node is not None else b"connection:" + connection
+    return int.from_bytes(hashlib.blake2b(named, digest_size=8).digest(), "big") >> 1 | 1

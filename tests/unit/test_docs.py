@@ -35,7 +35,7 @@ from kvcr.testing.docs import (
 
 REPO = Path(__file__).resolve().parents[2]
 ALL = [command for doc in documents(REPO) for command in commands(doc, REPO)]
-SUBCOMMANDS = ("demo", "worker", "bench", "soak", "doctor")
+SUBCOMMANDS = ("demo", "worker", "bench", "soak", "doctor", "keygen")
 # prose also quotes kvcr's messages (`kvcr needs the zero-copy interface`): only command spans count
 INLINE = [
     c for doc in documents(REPO) for c in inline_commands(doc, REPO) if c.words[1:2] in {(s,) for s in SUBCOMMANDS}

@@ -126,10 +126,45 @@ def test_the_cli_prints_one_line_per_check_and_returns_the_exit_code(capsys, tmp
     )
     lines = capsys.readouterr().out.splitlines()
     assert rc == 0 and len(lines) == len(CHECKS) + 1
-    assert lines[-1].startswith("doctor: 4 ok, 0 warning(s), 0 failure(s), 5 skipped")
+    assert lines[-1].startswith("doctor: 4 ok, 0 warning(s), 0 failure(s), 6 skipped")  # identity: no node key
 
 
 def test_an_unknown_check_to_skip_is_named(capsys):
     assert main(["doctor", "--skip", "nixl,bogus"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kvcr doctor: --skip: unknown check(s) bogus") and "\n" not in err
+
+
+def _identity_config(tmp_path, listed_ranks):
+    from kvcr.adapters.zmq.identity import write_node_key
+
+    key = tmp_path / "node.key"
+    public = write_node_key(str(key)).decode()
+    directory = tmp_path / "peers"
+    directory.write_text("".join(f"tcp://10.1.2.3:{32100 + r} {public}\n" for r in listed_ranks))
+    config = {"node_key_file": str(key), "peer_directory_file": str(directory), "control_host": "10.1.2.3"}
+    return parse_settings(config), public
+
+
+def test_the_identity_check_passes_when_every_ranks_endpoint_lists_this_nodes_key(tmp_path):
+    from kvcr.doctor import check_identity
+
+    settings, public = _identity_config(tmp_path, [0, 1])
+    finding = check_identity(DoctorOptions(tp_size=2), settings)
+    assert finding.status is Status.OK, finding.detail
+    assert public[:8] in finding.detail and "tcp://10.1.2.3:32101" in finding.detail
+
+
+def test_the_identity_check_fails_a_rank_the_directory_does_not_list_as_start_up_would(tmp_path):
+    from kvcr.doctor import check_identity
+
+    settings, public = _identity_config(tmp_path, [0])
+    finding = check_identity(DoctorOptions(tp_size=2), settings)
+    assert finding.status is Status.FAIL and "kvcr will not start" in finding.detail
+    assert f"add the line 'tcp://10.1.2.3:32101 {public}'" in finding.detail
+
+
+def test_the_identity_check_is_skipped_without_a_node_key(tmp_path):
+    from kvcr.doctor import check_identity
+
+    assert check_identity(DoctorOptions(), parse_settings({})).status is Status.SKIP

@@ -13,9 +13,9 @@ from kvcr.integrations.shared.settings import KvcrSettings, parse_settings, read
 KNOWN = (
     "abandon_timeout_ms, allow_unauthenticated, auth_token_file, connect_timeout_ms, control_advertise_host, "
     "control_handshake_ms, control_host, control_port, control_timeout_ms, dram_bytes, enable_remote_hint, "
-    "kv_events_endpoint, kv_events_topic, landing, lease_ms, max_peer_links, operation_timeout_ms, peer_allowlist, "
-    "peer_lease_share, peer_retry_ms, policy, read_batch_pages, recompute_tokens_per_s, rotation_token_files, "
-    "same_host_shm, transport, verify_bytes"
+    "kv_events_endpoint, kv_events_topic, landing, lease_ms, max_peer_links, node_key_file, operation_timeout_ms, "
+    "peer_allowlist, peer_directory_file, peer_lease_share, peer_retry_ms, policy, read_batch_pages, "
+    "recompute_tokens_per_s, rotation_token_files, same_host_shm, transport, verify_bytes"
 )
 
 
@@ -63,6 +63,19 @@ def refusal(extra):
             {"rotation_token_files": ["/t"]},
             "rotation_token_files needs auth_token_file (the token this node binds with)",
         ),
+        (
+            {"node_key_file": "/k"},
+            "node_key_file and peer_directory_file go together (per-node identities)",
+        ),
+        (
+            {"peer_directory_file": "/d"},
+            "node_key_file and peer_directory_file go together (per-node identities)",
+        ),
+        (
+            {"node_key_file": "/k", "peer_directory_file": "/d", "auth_token_file": "/t"},
+            "set auth_token_file (one cluster token) or node_key_file (per-node identities), not both",
+        ),
+        ({"node_key_file": 7, "peer_directory_file": "/d"}, "kvcr setting 'node_key_file' must be str or null, got 7"),
         (
             {"enable_remote_hint": True, "control_port": 0},
             "enable_remote_hint needs a control_port (peers and hints name control endpoints)",

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from kvcr.adapters.mock.fabric import ControlFaults, MockFabric
 from kvcr.adapters.mock.intercept import Interceptable
 from kvcr.ports.clock import Clock
-from kvcr.ports.control import ConnectionHandler, Handler
+from kvcr.ports.control import ConnectionHandler, Handler, with_node
 from kvcr.ports.errors import ControlTimeout, PeerRefused, PeerUnavailable, TransportError
 
 
@@ -67,7 +67,7 @@ class MockControlChannel(Interceptable):
             raise ControlTimeout(f"{endpoint} did not answer within {timeout_s:g}s")
         if faults.garble:
             return b"\x00garbled\xff"
-        reply = handler(bytes(payload), self._endpoint.encode())
+        reply = handler(bytes(payload), with_node(b"", self._endpoint.encode()))
         with self._fabric.lock:
             if node is not None:
                 node.served += 1
@@ -84,7 +84,7 @@ class MockControlChannel(Interceptable):
             faults = node.control_faults if node is not None else ControlFaults()
         if handler is None or faults.down or faults.stall or faults.garble:
             return  # one-way messages are best effort: a dead or stalled peer just loses them
-        handler(bytes(payload), self._endpoint.encode())
+        handler(bytes(payload), with_node(b"", self._endpoint.encode()))
         with self._fabric.lock:
             if node is not None:
                 node.served += 1

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from kvcr.adapters.shm.wire import REQUEST_MAGIC, SECRET_BYTES
-from kvcr.ports.control import ConnectionHandler
+from kvcr.ports.control import ConnectionHandler, with_node
 from kvcr.ports.dataplane import SIDE_FRAME_BYTES
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class Broker:
             self._drop(conn, refused=True)
             return
         del self._pending[conn]
-        self._granted[conn] = b"shm-side:" + os.urandom(16)
+        self._granted[conn] = with_node(b"", b"shm-side:" + os.urandom(16))  # the link, not a node, is known
 
     def _side_frame(self, conn: socket.socket) -> None:
         """One frame over a side link, answered by the handler; EOF, a cut frame or no handler drop the link."""

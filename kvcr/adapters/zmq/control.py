@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvcr.adapters.zmq.curve import Keyring
+from kvcr.adapters.zmq.curve import Credentials, Keyring
+from kvcr.adapters.zmq.identity import NodeIdentity, PeerDirectory
 from kvcr.adapters.zmq.links import Conn, PeerLinks
 from kvcr.adapters.zmq.server import ONEWAY_ID, REFUSAL_REASONS, ControlServer
 from kvcr.adapters.zmq.sockets import zmq_address
@@ -74,6 +75,10 @@ class ZmqControlChannel:
             without it the channel is plaintext.
         rotation_tokens: further tokens during a token rotation: their holders are admitted by our
             server, and our client dials with them when the current token's handshake fails.
+        node_secret_key: instead of a token, this node's own CURVE secret key (Z85, as ``kvcr keygen``
+            writes it); needs ``peer_directory_file`` (:mod:`kvcr.adapters.zmq.identity`).
+        peer_directory_file: the file listing every node's public key and control endpoint; read again
+            when it changes, so a removed line revokes that node at once.
         allow_unauthenticated: permit a plaintext channel (no ``token``) on a non-loopback bind.
         context: a ``zmq.Context`` to share; by default the channel owns (and terminates) its own.
             With a token, one serving channel per context (libzmq has one ZAP handler per context).
@@ -102,6 +107,8 @@ class ZmqControlChannel:
         advertise_host: str | None = None,
         token: bytes | None = None,
         rotation_tokens: Sequence[bytes] = (),
+        node_secret_key: bytes | None = None,
+        peer_directory_file: str | None = None,
         allow_unauthenticated: bool = False,
         context: zmq.Context[Any] | None = None,
         max_message_bytes: int = 64 << 20,
@@ -134,7 +141,12 @@ class ZmqControlChannel:
             )
         if token is None and rotation_tokens:
             raise ConfigError("control rotation_tokens need a current token")
-        if token is None and not allow_unauthenticated and not _is_loopback(bind_host):
+        if (node_secret_key is None) != (peer_directory_file is None):
+            raise ConfigError("control node_secret_key and peer_directory_file go together (per-node identities)")
+        if token is not None and node_secret_key is not None:
+            raise ConfigError("control: a cluster token or per-node identities, not both")
+        authenticated = token is not None or node_secret_key is not None
+        if not authenticated and not allow_unauthenticated and not _is_loopback(bind_host):
             raise ConfigError(
                 f"control bind_host {bind_host!r} is not a loopback address and no cluster token is set: "
                 "set a token, or allow_unauthenticated to let anyone who reaches the port use it"
@@ -146,7 +158,11 @@ class ZmqControlChannel:
 
         import zmq
 
-        keyring = Keyring(token, rotation_tokens) if token is not None else None
+        keyring: Credentials | None = None
+        if token is not None:
+            keyring = Keyring(token, rotation_tokens)
+        elif node_secret_key is not None and peer_directory_file is not None:
+            keyring = NodeIdentity(node_secret_key, PeerDirectory(peer_directory_file), self._endpoint)
         self._zmq: Any = zmq
         self._own_context = context is None
         if context is None:
@@ -156,7 +172,7 @@ class ZmqControlChannel:
         self._bind_host = bind_host
         self._port = port
         self._keyring = keyring
-        self._unauthenticated_remote = token is None and not _is_loopback(bind_host)
+        self._unauthenticated_remote = not authenticated and not _is_loopback(bind_host)
         self._max_message_bytes = max_message_bytes
         self._handshake_ms = max(1, round(handshake_timeout_s * 1000))
         self._on_refusal = on_refusal
@@ -186,7 +202,7 @@ class ZmqControlChannel:
 
     @property
     def authenticated(self) -> bool:
-        """Whether connections are CURVE-authenticated (a token was given)."""
+        """Whether connections are CURVE-authenticated (a token, or this node's own key, was given)."""
         return self._keyring is not None
 
     @property

@@ -22,7 +22,7 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvcr.domain.errors import ConfigError
 
@@ -66,12 +66,35 @@ class CurveKeys:
         return cls(curve_public(server_secret), server_secret, curve_public(client_secret), client_secret)
 
 
+class Credentials(Protocol):
+    """What the control channel's server and client ask of its keys: a :class:`Keyring` (one cluster
+    token, every node the same keys) or a :class:`~kvcr.adapters.zmq.identity.NodeIdentity` (a
+    keypair per node and a directory of them)."""
+
+    per_node: bool  # whether a client key names one node (then quotas and revocation follow it)
+
+    def __len__(self) -> int:
+        """How many key sets a dial may try, one after the other."""
+
+    def admits(self, client_key: bytes) -> bool:
+        """Whether a raw 32-byte client public key may connect (asked again for every request)."""
+
+    def server_key(self, endpoint: str) -> bytes | None:
+        """The Z85 public key the server at ``endpoint`` proves; None: we may not dial it."""
+
+    def configure_server(self, sock: Any) -> None: ...
+
+    def configure_client(self, sock: Any, index: int, endpoint: str) -> None: ...
+
+
 class Keyring:
     """The current token's keys first, then each rotation token's; who may connect to our server.
 
     Raises:
         ConfigError: a token that is not bytes or is empty (the message names ``token``).
     """
+
+    per_node = False  # every token holder dials with the same client key
 
     def __init__(self, token: bytes, rotation_tokens: Sequence[bytes] = ()) -> None:
         tokens = [token, *rotation_tokens]
@@ -93,6 +116,10 @@ class Keyring:
         """Whether a client's raw 32-byte long-term public key belongs to a token on the ring."""
         return client_key in self._admitted
 
+    def server_key(self, endpoint: str) -> bytes | None:
+        """Every server binds with the current token's key, whatever its endpoint."""
+        return self.keys[0].server_public
+
     def configure_server(self, sock: Any) -> None:
         """Make ``sock`` a CURVE server with the current token's key (call before ``bind``)."""
         lib = _lib()
@@ -100,7 +127,7 @@ class Keyring:
         sock.setsockopt(lib.CURVE_SECRETKEY, self.keys[0].server_secret)
         sock.setsockopt(lib.ZAP_DOMAIN, ZAP_DOMAIN)
 
-    def configure_client(self, sock: Any, index: int) -> None:
+    def configure_client(self, sock: Any, index: int, endpoint: str = "") -> None:
         """Make ``sock`` a CURVE client with the keys of ring entry ``index`` (call before ``connect``)."""
         lib = _lib()
         keys = self.keys[index]
@@ -109,7 +136,7 @@ class Keyring:
         sock.setsockopt(lib.CURVE_SECRETKEY, keys.client_secret)
 
 
-def zap_reply(frames: list[bytes], keyring: Keyring, user_id: bytes = b"") -> tuple[list[bytes], bool]:
+def zap_reply(frames: list[bytes], keyring: Credentials, user_id: bytes = b"") -> tuple[list[bytes], bool]:
     """Answer one ZAP request (RFC 27); returns the reply frames and whether the client was admitted.
 
     Only CURVE requests in our domain carrying an admitted key pass; anything else (another

@@ -21,6 +21,10 @@ Per peer:
   the connection is being made, up to a small high-water mark) opened for them.
 - the index of the keyring entry whose keys last completed a handshake with it (token rotation).
 
+With per-node identities a peer is dialled only if the directory lists it, expecting the key listed
+for it; a connection opened expecting another key (the directory changed since) is closed at its
+next checkout and the peer dialled afresh, or not at all once it is no longer listed.
+
 A connection checked out while its peer is evicted or forgotten is closed at check-in.
 """
 
@@ -35,8 +39,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvcr.adapters.zmq.curve import Keyring
-from kvcr.ports.errors import ControlTimeout, TransportError
+from kvcr.adapters.zmq.curve import Credentials
+from kvcr.ports.errors import ControlTimeout, PeerUnavailable, TransportError
 
 if TYPE_CHECKING:
     import zmq
@@ -62,13 +66,23 @@ class Conn:
         "monitor",
         "recv_poller",
         "send_poller",
+        "server_key",
         "sock",
     )
 
-    def __init__(self, link: _Link, key_index: int, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes], lib: Any):
+    def __init__(
+        self,
+        link: _Link,
+        key_index: int,
+        server_key: bytes | None,
+        sock: zmq.Socket[bytes],
+        monitor: zmq.Socket[bytes],
+        lib: Any,
+    ):
         self.address = link.address
         self.link = link
         self.key_index = key_index
+        self.server_key = server_key  # the key the peer had to prove when this was dialled
         self.sock = sock
         self.monitor = monitor
         self.connected = False
@@ -106,7 +120,7 @@ class PeerLinks:
         context: zmq.Context[Any],
         lib: Any,
         *,
-        keyring: Keyring | None,
+        keyring: Credentials | None,
         max_message_bytes: int,
         max_peers: int,
         idle_close_s: float,
@@ -165,9 +179,9 @@ class PeerLinks:
         try:
             if conn is not None:
                 self.read_events(conn)
-                if conn.failure is None:
+                if conn.failure is None and self._still_trusted(conn):
                     return conn
-                self._close_conn(conn)  # the peer went away (or restarted) since: dial afresh
+                self._close_conn(conn)  # the peer went away (or restarted, or was re-keyed) since: dial afresh
             return self._open(link, key_index)
         except BaseException:
             self._release_link(link, None)
@@ -212,8 +226,21 @@ class PeerLinks:
             # After a timeout this drops whatever the peer still queues for us (a stale reply).
             self._close_conn(closing)
 
+    def _still_trusted(self, conn: Conn) -> bool:
+        """Whether the directory still lists, for the peer, the key ``conn`` was dialled expecting."""
+        return self._keyring is None or self._keyring.server_key(conn.address) == conn.server_key
+
+    def _server_key(self, address: str) -> bytes | None:
+        if self._keyring is None:
+            return None
+        key = self._keyring.server_key(address)
+        if key is None:
+            raise PeerUnavailable(f"control peer {address} is not in the peer directory: not dialled")
+        return key
+
     def _open(self, link: _Link, key_index: int) -> Conn:
         lib = self._zmq
+        server_key = self._server_key(link.address)
         sock: zmq.Socket[bytes] | None = None
         monitor: zmq.Socket[bytes] | None = None
         try:
@@ -229,7 +256,7 @@ class PeerLinks:
             monitor.setsockopt(lib.LINGER, 0)
             monitor.connect(monitor_address)  # before dialling, so no event is missed
             sock.connect(link.address)
-            return Conn(link, key_index, sock, monitor, lib)
+            return Conn(link, key_index, server_key, sock, monitor, lib)
         except BaseException as exc:
             if monitor is not None:
                 monitor.close(linger=0)
@@ -247,7 +274,7 @@ class PeerLinks:
             if link.ipv6:
                 sock.setsockopt(lib.IPV6, 1)
             if self._keyring is not None:
-                self._keyring.configure_client(sock, key_index)
+                self._keyring.configure_client(sock, key_index, link.address)
         except BaseException:
             sock.close(linger=0)
             raise
@@ -295,7 +322,7 @@ class PeerLinks:
                 return True
             for conn in reversed(link.idle):  # idle, so ours while we hold the lock
                 self.read_events(conn)
-                if conn.connected and conn.failure is None:
+                if conn.connected and conn.failure is None and self._still_trusted(conn):
                     try:
                         conn.sock.send_multipart(frames, lib.NOBLOCK)
                         return True

@@ -19,12 +19,16 @@ Refusals are counted by a closed set of reasons (:data:`REFUSAL_REASONS`), never
   server key, replayed or tampered bytes);
 - ``handshake``: any other handshake failure (bytes that are not ZMTP at all);
 - ``frame``: a connected peer sent a request that is not ``[id, payload]``; it is dropped.
+- ``revoked``: (per-node identities) a request over a connection whose node key the peer directory
+  no longer lists; it is refused (a request learns so, a one-way message is dropped).
 
 The connection a request came over is named, for the handler, by the ROUTER's routing identity of
 that connection and, with CURVE, the ZAP user id this server gave its handshake (a serial number
 of this server's and the client's public key): libzmq attaches it to every message of the
 connection, and a peer cannot choose it, so a peer that copies another's routing identity (after
-that connection closed) still names another connection.
+that connection closed) still names another connection. With per-node identities the connection
+also names its node (its public key, see :func:`kvcr.ports.control.node_of`); with a shared token
+every node has the same key, so only the connection is named.
 
 Warnings about refusals and dropped frames are rate-limited: one line per interval with the
 count since the last one, so a flood cannot flood the log.
@@ -41,9 +45,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvcr.adapters.zmq.curve import ZAP_ENDPOINT, Keyring, zap_reply
+from kvcr.adapters.zmq.curve import ZAP_ENDPOINT, Credentials, zap_reply
 from kvcr.adapters.zmq.sockets import bind_with_retry
-from kvcr.ports.control import ConnectionHandler
+from kvcr.ports.control import ConnectionHandler, with_node
 from kvcr.ports.errors import TransportError
 
 if TYPE_CHECKING:
@@ -51,7 +55,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REFUSAL_REASONS = ("credentials", "protocol", "handshake", "frame")
+REFUSAL_REASONS = ("credentials", "protocol", "handshake", "frame", "revoked")
 ONEWAY_ID = bytes(8)
 _STATUS_OK = b"\x00"
 _STATUS_FAILED = b"\x01"
@@ -108,7 +112,7 @@ class ControlServer:
         lib: Any,
         *,
         name: str,
-        keyring: Keyring | None,
+        keyring: Credentials | None,
         max_message_bytes: int,
         handshake_ms: int,
         on_refusal: Callable[[str], None],
@@ -260,6 +264,14 @@ class ControlServer:
             self._on_refusal(reason)
             self._refusal_warning.warn("control server %s refused a connection (%s)", self._name, reason)
 
+    def _refuse_revoked(self, sock: zmq.Socket[bytes], identity: bytes, request_id: bytes, oneway: bool) -> None:
+        self._on_refusal("revoked")
+        self._refusal_warning.warn("control server %s refused a request: its node was revoked", self._name)
+        if not oneway:
+            with contextlib.suppress(self._zmq.Again):
+                reply = b"revoked: this node's key is no longer in the peer directory"
+                sock.send_multipart([identity, request_id, _STATUS_FAILED, reply], self._zmq.NOBLOCK)
+
     def _answer(self, sock: zmq.Socket[bytes], message: list[zmq.Frame], handler: ConnectionHandler) -> None:
         lib = self._zmq
         if len(message) != 3 or len(message[1]) != _REQUEST_ID_BYTES:
@@ -267,10 +279,18 @@ class ControlServer:
             self._frame_warning.warn("control server %s dropped a malformed request", self._name)
             return
         identity, request_id, payload = (frame.bytes for frame in message)
+        oneway = request_id == ONEWAY_ID
+        node = b""
         connection = identity
         if self._keyring is not None:  # only a ZAP handler sets a user id (asking without one raises)
-            connection += b"|" + str(message[0].get("User-Id")).encode()
-        oneway = request_id == ONEWAY_ID
+            user_id = str(message[0].get("User-Id"))
+            connection += b"|" + user_id.encode()
+            if self._keyring.per_node:
+                node = bytes.fromhex(user_id.partition("/")[2])  # set by our own ZAP answer: well formed
+                if not self._keyring.admits(node):
+                    self._refuse_revoked(sock, identity, request_id, oneway)
+                    return
+        connection = with_node(node, connection)
         try:
             reply = handler(payload, connection)
             if oneway:

@@ -170,6 +170,7 @@ def start(
     token: bytes | None,
     rotation: tuple[bytes, ...],
     host_pools: Mapping[str, Any],
+    node_key: bytes | None = None,
 ) -> Started:
     """Describe the host pools, build the runner (and node), and register the pools with them."""
     if KV not in host_pools:
@@ -201,6 +202,8 @@ def start(
             advertise_host=settings.control_advertise_host,
             token=token,
             rotation_tokens=rotation,
+            node_secret_key=node_key,
+            peer_directory_file=settings.peer_directory_file,
             allow_unauthenticated=settings.allow_unauthenticated,
             handshake_timeout_s=settings.control_handshake_ms / 1000,
             peer=PeerSettings(

@@ -65,6 +65,7 @@ class KvcrHiCacheStorage(HiCacheStorage):
         self.control_port = self.layout.control_port(self.settings.control_port) if self.settings.control_port else 0
         self._token = self.settings.token()
         self._rotation = self.settings.rotation_tokens()
+        self._node_key = self.settings.node_key()
         self._host_pools: dict[str, Any] = {}
         self._started: Started | None = None
         self._hints: HintReader | None = None
@@ -94,7 +95,9 @@ class KvcrHiCacheStorage(HiCacheStorage):
     def _ready(self) -> Started:
         with self._start_lock:
             if self._started is None:
-                self._started = start(self.storage_config, self.settings, self._token, self._rotation, self._host_pools)
+                self._started = start(
+                    self.storage_config, self.settings, self._token, self._rotation, self._host_pools, self._node_key
+                )
                 self._hints = HintReader(self.settings, self._started.metrics)
                 hints_bridge.add_listener(self)
             return self._started

@@ -72,6 +72,8 @@ class KvcrSettings:
     landing: str = "auto"
     auth_token_file: str | None = None
     rotation_token_files: tuple[str, ...] = ()
+    node_key_file: str | None = None
+    peer_directory_file: str | None = None
     allow_unauthenticated: bool = False
     peer_allowlist: tuple[str, ...] = ()
     recompute_tokens_per_s: float = 0.0
@@ -102,6 +104,10 @@ class KvcrSettings:
     def rotation_tokens(self) -> tuple[bytes, ...]:
         """Tokens also admitted (and dialled with) while the cluster rotates to a new token."""
         return tuple(read_token_file(path, "rotation_token_files") for path in self.rotation_token_files)
+
+    def node_key(self) -> bytes | None:
+        """This node's own CURVE secret key (per-node identities), read once at start-up, or None."""
+        return None if self.node_key_file is None else read_token_file(self.node_key_file, "node_key_file")
 
     def allows(self, host: str) -> bool:
         """Whether a hinted source at ``host`` is one the operator allows (any, without an allowlist)."""
@@ -207,6 +213,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "landing": (str,),
     "auth_token_file": (str, type(None)),
     "rotation_token_files": (list,),
+    "node_key_file": (str, type(None)),
+    "peer_directory_file": (str, type(None)),
     "allow_unauthenticated": (bool,),
     "peer_allowlist": (list,),
     "recompute_tokens_per_s": (int, float),
@@ -296,6 +304,10 @@ def _check(s: KvcrSettings) -> None:
         raise ConfigError(f"policy must be one of {', '.join(sorted(POLICIES))}, got {_shown(s.policy)}")
     if s.rotation_token_files and s.auth_token_file is None:
         raise ConfigError("rotation_token_files needs auth_token_file (the token this node binds with)")
+    if (s.node_key_file is None) != (s.peer_directory_file is None):
+        raise ConfigError("node_key_file and peer_directory_file go together (per-node identities)")
+    if s.node_key_file is not None and s.auth_token_file is not None:
+        raise ConfigError("set auth_token_file (one cluster token) or node_key_file (per-node identities), not both")
     for entry in s.peer_allowlist:
         _check_allowlist_entry(entry)
     if s.enable_remote_hint and s.control_port == 0:

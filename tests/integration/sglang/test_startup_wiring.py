@@ -83,6 +83,32 @@ def test_the_runner_and_the_node_run_with_the_configured_settings(stores, tmp_pa
     assert store.kvcr_stats()["endpoint"] == f"tcp://127.0.0.9:{port}"
 
 
+def _node_key(tmp_path, port, listed=True):
+    from kvcr.adapters.zmq.identity import write_node_key
+
+    key = tmp_path / "node.key"
+    public = write_node_key(str(key)).decode()
+    directory = tmp_path / "peers"
+    directory.write_text(f"tcp://127.0.0.1:{port if listed else port + 1} {public}\n")
+    # A real control channel (the mock one has no credentials): NIXL's transport picks ZMQ.
+    return {"transport": "nixl", "control_port": port, "node_key_file": str(key), "peer_directory_file": str(directory)}
+
+
+def test_per_node_identities_reach_the_node_and_its_control_channel_authenticates_with_them(stores, tmp_path):
+    port = sg.free_port()
+    settings = _node_key(tmp_path, port)
+    store, _ = stores(**settings)
+    node = store._ready().node
+    assert node is not None and node.control.authenticated
+    assert node.settings.token is None and node.settings.peer_directory_file == settings["peer_directory_file"]
+    assert node.settings.node_secret_key.strip() == (tmp_path / "node.key").read_bytes().strip()
+
+
+def test_a_directory_that_does_not_list_this_node_stops_start_up_with_the_line_to_add(stores, tmp_path):
+    with pytest.raises(ConfigError, match=r"does not list it: this node serves tcp://127\.0\.0\.1:.*add the line"):
+        stores(**_node_key(tmp_path, sg.free_port(), listed=False))  # SGLang registers its pools: kvcr starts
+
+
 def test_a_model_without_a_name_is_keyed_as_unknown(stores):
     store, host = stores(model="")
     assert store.runner.config.namespace == NamespaceSpec("unknown", sg.P, str(host.dtype), "page_first")

@@ -1,8 +1,10 @@
 """A hostile token holder in its own process (``python -m tests.integration.zmq.insider``).
 
-It holds the cluster token (so CURVE admits it) and speaks the peer protocol with a raw pyzmq
-DEALER: its own connection, its own keys derived from the token, no kvcr client code in between.
-It reads one JSON command per stdin line and answers each with one JSON line:
+It holds the cluster token (so CURVE admits it), or with per-node identities its own listed key
+(``--node-key-file`` and ``--directory``), and speaks the peer protocol with raw pyzmq DEALERs: its
+own connections, no kvcr client code in between. Every command may say ``"connection": n`` to go
+over its n-th connection (opened at first use; 0 by default). It reads one JSON command per stdin
+line and answers each with one JSON line:
 
 - ``{"do": "release", "session": s, "lease_ids": [...]}``: a one-way RELEASE under session ``s``;
   answers ``{"sent": true}``.
@@ -27,6 +29,8 @@ from pathlib import Path
 import zmq
 
 from kvcr.adapters.zmq.curve import Keyring
+from kvcr.adapters.zmq.identity import NodeIdentity, PeerDirectory
+from kvcr.domain.hints import Endpoint
 from kvcr.runner import protocol
 
 _IDS = itertools.count(1)
@@ -45,15 +49,31 @@ def _ask(sock: zmq.Socket[bytes], message: protocol.Message) -> protocol.Message
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--endpoint", required=True)
-    parser.add_argument("--token-file", required=True)
+    parser.add_argument("--token-file")
+    parser.add_argument("--node-key-file")
+    parser.add_argument("--directory")
+    parser.add_argument("--own-endpoint", help="where the directory lists the insider's own key")
     args = parser.parse_args()
     context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 1000)
-    Keyring(Path(args.token_file).read_bytes()).configure_client(sock, 0)
-    sock.connect(args.endpoint)
+    socks: dict[int, zmq.Socket[bytes]] = {}
+
+    def connection(n: int) -> zmq.Socket[bytes]:
+        if n not in socks:
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 1000)
+            if args.node_key_file:
+                key, directory = Path(args.node_key_file).read_bytes(), PeerDirectory(args.directory)
+                identity = NodeIdentity(key, directory, str(Endpoint.parse(args.own_endpoint)))
+                identity.configure_client(sock, 0, str(Endpoint.parse(args.endpoint)))
+            else:
+                Keyring(Path(args.token_file).read_bytes()).configure_client(sock, 0)
+            sock.connect(args.endpoint)
+            socks[n] = sock
+        return socks[n]
+
     for line in sys.stdin:
         command = json.loads(line)
+        sock = connection(command.get("connection", 0))
         nonce = secrets.token_bytes(protocol.NONCE_BYTES)
         answer: dict[str, object]
         if command["do"] == "release":
@@ -74,7 +94,8 @@ def main() -> None:
             else:
                 answer = {"refused": getattr(reply, "code", None)}
         print(json.dumps(answer), flush=True)
-    sock.close()
+    for sock in socks.values():
+        sock.close()
     context.term()
 
 
