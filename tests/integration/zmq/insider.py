@@ -25,6 +25,7 @@ import json
 import secrets
 import sys
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -36,13 +37,19 @@ from kvcr.runner import protocol
 _IDS = itertools.count(1)
 
 
+class _Failed(Exception):
+    """The control server answered with its failure status (e.g. a revoked node): what it said."""
+
+
 def _ask(sock: zmq.Socket[bytes], message: protocol.Message) -> protocol.Message:
     request_id = next(_IDS).to_bytes(8, "big")
     sock.send_multipart([request_id, protocol.encode(message)])
     if not sock.poll(5000):
         raise TimeoutError("no reply within 5 s")
     frames = sock.recv_multipart()
-    assert frames[0] == request_id and frames[1] == b"\x00", frames[:2]
+    assert frames[0] == request_id, frames[:1]
+    if frames[1] != b"\x00":
+        raise _Failed(frames[2].decode("utf-8", "replace"))
     return protocol.decode(frames[2])
 
 
@@ -74,29 +81,37 @@ def main() -> None:
     for line in sys.stdin:
         command = json.loads(line)
         sock = connection(command.get("connection", 0))
-        nonce = secrets.token_bytes(protocol.NONCE_BYTES)
-        answer: dict[str, object]
-        if command["do"] == "release":
-            release = protocol.Release(command["session"], command["lease_ids"])
-            sock.send_multipart([bytes(8), protocol.encode(release)])
-            answer = {"sent": True}
-        elif command["do"] == "hello":
-            reply = _ask(sock, protocol.Hello(nonce, "insider", "insider", command["namespaces"]))
-            if isinstance(reply, protocol.HelloReply):
-                answer = {"session": reply.session, "pools": {p.name: p.pool_id for p in reply.pools}}
-            else:
-                answer = {"refused": getattr(reply, "code", None)}
-        else:
-            pages = [(pool_id, hashes) for pool_id, hashes in command["pages"]]
-            reply = _ask(sock, protocol.Lease(nonce, command["session"], command.get("lease_ms", 10_000), pages))
-            if isinstance(reply, protocol.LeaseReply):
-                answer = {"lease_id": reply.lease_id, "slots": reply.slots, "ttl_ms": reply.ttl_ms}
-            else:
-                answer = {"refused": getattr(reply, "code", None)}
+        try:
+            answer = _answer(sock, command)
+        except _Failed as failed:
+            answer = {"failed": str(failed)}
         print(json.dumps(answer), flush=True)
     for sock in socks.values():
         sock.close()
     context.term()
+
+
+def _answer(sock: zmq.Socket[bytes], command: dict[str, Any]) -> dict[str, object]:
+    nonce = secrets.token_bytes(protocol.NONCE_BYTES)
+    answer: dict[str, object]
+    if command["do"] == "release":
+        release = protocol.Release(command["session"], command["lease_ids"])
+        sock.send_multipart([bytes(8), protocol.encode(release)])
+        answer = {"sent": True}
+    elif command["do"] == "hello":
+        reply = _ask(sock, protocol.Hello(nonce, "insider", "insider", command["namespaces"]))
+        if isinstance(reply, protocol.HelloReply):
+            answer = {"session": reply.session, "pools": {p.name: p.pool_id for p in reply.pools}}
+        else:
+            answer = {"refused": getattr(reply, "code", None)}
+    else:
+        pages = [(pool_id, hashes) for pool_id, hashes in command["pages"]]
+        reply = _ask(sock, protocol.Lease(nonce, command["session"], command.get("lease_ms", 10_000), pages))
+        if isinstance(reply, protocol.LeaseReply):
+            answer = {"lease_id": reply.lease_id, "slots": reply.slots, "ttl_ms": reply.ttl_ms}
+        else:
+            answer = {"refused": getattr(reply, "code", None)}
+    return answer
 
 
 if __name__ == "__main__":

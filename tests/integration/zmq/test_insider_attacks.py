@@ -227,3 +227,40 @@ def test_a_node_pins_at_most_its_share_however_many_connections_it_opens(cluster
     else:
         assert figures == {"insider_pinned": 16, "restored": 16, "byte_equal": 16}
         assert refused(a, "peer_quota") >= 1
+
+
+def test_a_revoked_node_gets_nothing_more_over_the_connection_it_already_holds(cluster, insider, tmp_path):
+    """Per-node identities: the insider (its own key, listed) opens a session and leases; its line is
+    removed from the source's directory (renamed over, nobody restarts); its very next LEASE over the
+    same connection is refused as revoked, and the honest target's restore still works."""
+    keys, directory = _identities(tmp_path, "A", "B", "insider")
+    port = {n: int(keys[n][1].rsplit(":", 1)[1]) for n in ("A", "B")}
+    a = cluster.node("A", port["A"], slots=32, timing=TIMING, identity=(keys["A"][0], directory))
+    b = cluster.node("B", port["B"], slots=16, timing=TIMING, identity=(keys["B"][0], directory))
+    pages = sequence(8)
+    for slot, page in enumerate(pages):
+        a.hosts["kv"].write_page(slot, content(page, PAGE_BYTES))
+    assert all(a.runner.backup("kv", pages, list(range(8))))
+    key_file = tmp_path / "insider.key"
+    key_file.write_bytes(keys["insider"][0])
+    key_file.chmod(0o600)
+    hostile = insider(a.endpoint, (key_file, directory, keys["insider"][1]))
+    opened = hostile.do(do="hello", namespaces=dict(a.runner.namespaces))
+    lease = [[opened["pools"]["kv"], pages[:4]]]
+    assert "lease_id" in hostile.do(do="lease", session=opened["session"], pages=lease)
+
+    kept = [line for line in directory.read_text().splitlines() if not line.startswith(keys["insider"][1])]
+    staged = tmp_path / "peers.new"
+    staged.write_text("\n".join(kept) + "\n")
+    staged.replace(directory)
+    revoked_at = time.monotonic()
+    answer = hostile.do(do="lease", session=opened["session"], pages=lease)
+    while "failed" not in answer and time.monotonic() - revoked_at < 2:
+        answer = hostile.do(do="lease", session=opened["session"], pages=lease)
+    refused_after_s = time.monotonic() - revoked_at
+    assert "revoked" in answer.get("failed", ""), answer
+    assert refused_after_s < 0.5 and refused(a, "revoked") >= 1
+
+    result = b.client.restore(a.endpoint, [PoolRead("kv", pages, list(range(8)))])
+    assert sum(o.outcome is Outcome.RESTORED for o in result["kv"]) == 8
+    assert all(b.hosts["kv"].read_page(i) == content(page, PAGE_BYTES) for i, page in enumerate(pages))
