@@ -98,8 +98,9 @@ def test_loopback_hosts(host, loopback):
         ),
         (
             dict(control_host="10.0.0.5"),
-            "control_host '10.0.0.5' is not loopback and no auth_token_file is set: any process that reaches it could "
-            "read kvcr DRAM. Set auth_token_file (recommended), or allow_unauthenticated: true to accept that",
+            "control_host '10.0.0.5' is not loopback and neither auth_token_file nor node_key_file is set: any "
+            "process that reaches it could read kvcr DRAM. Set one of them (recommended), or allow_unauthenticated: "
+            "true to accept that",
         ),
         (dict(peer=PeerSettings(landing="nowhere")), "landing must be one of auto, direct, staged, got 'nowhere'"),
         (dict(peer=PeerSettings(max_pages_per_read=0)), "read_batch_pages must be positive, got 0"),

@@ -308,7 +308,7 @@ def test_side_links_carry_frames_bound_to_their_own_connection(memory, planes):
         time.sleep(0.005)
     connections = [c for _, c in seen]
     assert connections[0] == connections[1] == connections[3] != connections[2]  # one id per link
-    assert all(c.startswith(b"shm-side:") for c in connections)
+    assert all(c.startswith(b"\x00shm-side:") for c in connections)  # no node named: the link is what is known
     assert target.side_request("nobody", b"ping", 1.0) is None  # no link: the caller uses the control channel
     assert target.side_request("source", b"x" * (SIDE_FRAME_BYTES + 1), 1.0) is None
     assert not target.side_send("source", b"x" * (SIDE_FRAME_BYTES + 1))
