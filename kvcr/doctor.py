@@ -102,7 +102,12 @@ def run_doctor(options: DoctorOptions, report: Callable[[Finding], None] = lambd
         ("memory", lambda: check_memory(_get(settings, "dram_bytes"), options.tp_size)),
         ("page-keys", check_page_keys),
         ("ports", lambda: check_ports(*_ports(options, settings))),
-        ("token", lambda: check_token(options.token_file or _get(settings, "auth_token_file"))),
+        (
+            "token",
+            lambda: check_token(
+                options.token_file or _get(settings, "auth_token_file"), bool(_get(settings, "node_key_file"))
+            ),
+        ),
         ("identity", lambda: check_identity(options, settings)),
     ]
     for name, step in steps:
@@ -277,8 +282,10 @@ def check_ports(host: str, ports: Sequence[tuple[str, int]]) -> Finding:
     return Finding("ports", Status.OK, f"free on {host}: {listed}")
 
 
-def check_token(path_text: str | None) -> Finding:
+def check_token(path_text: str | None, node_keys: bool = False) -> Finding:
     """The token file by the rule the backend applies at start-up; anything it refuses fails here."""
+    if not path_text and node_keys:
+        return Finding("token", Status.SKIP, "no auth_token_file: peers authenticate with per-node keys (identity)")
     if not path_text:
         return Finding("token", Status.SKIP, "no auth_token_file: peers are not authenticated (loopback-only setups)")
     from kvcr.integrations.shared.settings import read_token_file

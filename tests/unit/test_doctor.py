@@ -164,6 +164,11 @@ def test_the_identity_check_fails_a_rank_the_directory_does_not_list_as_start_up
     assert f"add the line 'tcp://10.1.2.3:32101 {public}'" in finding.detail
 
 
+def test_with_per_node_keys_the_token_check_does_not_say_peers_are_unauthenticated():
+    assert "per-node keys" in check_token(None, node_keys=True).detail
+    assert "not authenticated" in check_token(None).detail
+
+
 def test_the_identity_check_is_skipped_without_a_node_key(tmp_path):
     from kvcr.doctor import check_identity
 
