@@ -8,6 +8,13 @@ each turn extending the last with the reply and a new user message), greedy. Wha
 decides, routing a turn to the worker that lacks its prefix attaches a hint, and that worker's
 kvcr reads the prefix from the peer's kvcr DRAM.
 
+Conversation 0's first turn goes alone; once its worker's kvcr holds the system prompt's pages, every
+conversation's next turn is sent at once. The router's cost model weighs a worker's prefix overlap
+against the blocks of the requests it is already running: with several turns in flight on the
+worker holding the system prompt, a cold worker wins some of them, and those get the hint. (Sent one
+after another, on a machine fast enough to answer each turn before the next arrives, every turn
+would go to the holder and no peer would serve anything.)
+
 What the table reports comes from the engines and kvcr themselves: prefill tokens saved from the
 responses' ``usage.prompt_tokens_details.cached_tokens`` (SGLang's count), pages from each
 worker's ``kvcr_pages_total`` on its own ``/metrics``. Then the workers stop and one more SGLang
@@ -24,7 +31,7 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +46,7 @@ from kvcr.demo.dynamo.sglang_workers import (
     start_sglang_worker,
     wait_sglang_ready,
 )
-from kvcr.testing.engine import ROLES, SPECIAL, EngineError, EngineServer, token_id, write_model
+from kvcr.testing.engine import PAGE_SIZE, ROLES, SPECIAL, EngineError, EngineServer, token_id, write_model
 
 WORDS = 1000  # the tiny model's vocabulary of words (kvcr.testing.engine.write_model)
 KVCR_PATHS = ("backup", "local_restore", "remote_restore", "served")
@@ -53,7 +60,8 @@ class EngineDemoOptions:
     system_tokens: int = 256
     user_tokens: int = 96
     reply_tokens: int = 16
-    stagger_s: float = 1.0
+    stagger_s: float = 0.05  # between the conversations that start together after the first turn
+    settle_s: float = 0.5  # after the first turn's pages are in kvcr: the KV events reach the router
     workdir: str | None = None
     quiet: bool = False
     discovery: str = "file"  # or "etcd": an etcd server the deployment starts
@@ -127,10 +135,16 @@ def ids_of(text: str) -> list[int]:
 
 
 class Conversations:
-    """Each conversation in a thread, its turns in order; conversation 0's first turn goes alone."""
+    """Each conversation in a thread, its turns in order.
 
-    def __init__(self, deployment: Deployment, options: EngineDemoOptions, on_turn: Any) -> None:
-        self.deployment, self.options, self.on_turn = deployment, options, on_turn
+    Conversation 0's first turn goes alone; then ``settled()`` (which waits until a worker's kvcr
+    holds that turn's pages) and every conversation goes on together, ``stagger_s`` apart.
+    """
+
+    def __init__(
+        self, deployment: Deployment, options: EngineDemoOptions, on_turn: Any, settled: Callable[[], None]
+    ) -> None:
+        self.deployment, self.options, self.on_turn, self.settled = deployment, options, on_turn, settled
         self.turns: list[Turn] = []
         self._lock = threading.Lock()
         self._first = threading.Event()
@@ -154,6 +168,9 @@ class Conversations:
             time.sleep(c * o.stagger_s)
         prompt = list(self._system)
         for k in range(o.turns):
+            if c == 0 and k == 1:
+                self.settled()
+                self._first.set()
             prompt += [role("user"), *words(17 * c + 131 * k, o.user_tokens), role("assistant")]
             turn = Turn(c, k, list(prompt))
             try:
@@ -167,9 +184,10 @@ class Conversations:
             with self._lock:
                 self.turns.append(turn)
             self.on_turn()
-            self._first.set()
             if turn.error:
+                self._first.set()
                 return
+        self._first.set()
 
 
 def answers_without_reuse(model: Path, workdir: Path, turns: Sequence[Turn], reply_tokens: int) -> list[str]:
@@ -225,7 +243,11 @@ def run_engine_demo(options: EngineDemoOptions) -> int:
             done[0] += 1
             console.print(f"  {done[0]}/{total} turns answered", highlight=False)
 
-        turns = Conversations(deployment, options, advanced).run()
+        def settled() -> None:
+            _wait_backed_up(workers, options.system_tokens // PAGE_SIZE)
+            time.sleep(options.settle_s)
+
+        turns = Conversations(deployment, options, advanced, settled).run()
         summary = EngineSummary(turns)
         for worker in workers:
             try:
@@ -242,6 +264,18 @@ def run_engine_demo(options: EngineDemoOptions) -> int:
     results.print(_table(summary))
     results.print(_verdict(summary))
     return 0 if summary.ok else 1
+
+
+def _wait_backed_up(workers: Sequence[SglangWorker], pages: int, timeout_s: float = 60.0) -> None:
+    """Until the workers' kvcr together hold ``pages`` backed-up pages (or ``timeout_s``: the demo goes on)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if sum(worker.kvcr_pages("backup") for worker in workers) >= pages:
+                return
+        except OSError:
+            pass  # a /metrics that does not answer yet; the table reports it if it never does
+        time.sleep(0.1)
 
 
 def _stop_all(workers: Sequence[SglangWorker]) -> None:

@@ -4,8 +4,10 @@ The target is one replica (SGLang's real host pool and backend) for every trial;
 fresh source holding pages no one else has, and kills it after a random delay drawn over the
 calls it is cutting: both (hit query and read, half the trials) or the read alone. Pages are
 2 MiB and the target reads 8 per NIXL READ, so a kill can land between READs, inside one, in the
-HELLO, the data-plane connect or the LEASE. Over shm a kill cannot cut a read: the leased pages are
-in the target's mapping, and the dead source can no longer change them, so every one is restored.
+HELLO, the data-plane connect or the LEASE. Over shm one read call cannot be cut (it is a memcpy from
+the target's mapping), but the target checks before each read call that the source's broker socket
+is still open: once the source is dead, its later read calls fail, so a kill between the target's
+batches costs the rest of the prompt as misses, like a cut NIXL READ.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ def test_a_source_killed_at_random_moments_costs_misses_and_never_wrong_bytes(cl
         keys = prompt_keys(1000 + trial, PAGES)
         source = _source(cluster, f"source{trial}", keys, trial, env, plane)
         kill = threading.Timer(0, lambda s=source: s.signal(signal.SIGKILL))
-        if trial % 2 == 0:  # anywhere in the hit query or the read (shm: the hit query, a read cannot be cut)
-            kill.interval = rng.uniform(0, 1.2 * (span_exists + (0 if tls == "shm" else span_get)))
+        if trial % 2 == 0:  # anywhere in the hit query or the read
+            kill.interval = rng.uniform(0, 1.2 * (span_exists + span_get))
             kill.start()
             reply = fault.call(
                 target.ask("restore", keys=keys, first_slot=0, hint=source.endpoint, seed=trial), BOUND_S
@@ -73,8 +75,7 @@ def test_a_source_killed_at_random_moments_costs_misses_and_never_wrong_bytes(cl
         source.process.join(10)
         assert not source.alive
         restored = sum(reply["results"])
-        if tls == "shm" and trial % 2:
-            assert restored == hits, "a leased shm page is in our mapping: the source's death cannot cut its copy"
+        assert restored <= hits
         cut["exists" if hits < PAGES else "get" if restored < hits else "neither"] += 1
         time.sleep(0.1)  # anything still in flight would land now
         fault.poison(target, 0, PAGES)
@@ -88,6 +89,6 @@ def test_a_source_killed_at_random_moments_costs_misses_and_never_wrong_bytes(cl
     fault.notes.append(f"cut in hit query {cut['exists']}, in read {cut['get']}, after both {cut['neither']}")
     fault.notes.append(f"live hit query {span_exists * 1e3:.0f} ms, read {span_get * 1e3:.0f} ms")
     figures.record(fault)
-    # The kills really cut calls (over shm only hit queries can be cut, and only the even trials aim there).
+    # The kills really cut calls (over shm a read is cut only between read calls, which take microseconds).
     assert cut["exists"] + cut["get"] >= trials // (6 if tls == "shm" else 3), cut
     cluster.close_checked(target)
