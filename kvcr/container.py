@@ -63,22 +63,22 @@ InventoryFactory = Callable[["KvEventPublisher"], "InventorySink"]
 """Builds the runner's inventory sink around the container's KV-event publisher."""
 
 
-def _mmap_memory() -> HostMemory:
+def _mmap_memory(config: RunnerConfig) -> HostMemory:
     from kvcr.adapters.local import MmapHostMemory
 
-    return MmapHostMemory()
+    return MmapHostMemory(page_digest=config.page_digest)
 
 
-def _shared_memory() -> HostMemory:
+def _shared_memory(config: RunnerConfig) -> HostMemory:
     from kvcr.adapters.local import MmapHostMemory
 
-    return MmapHostMemory(shared=True)
+    return MmapHostMemory(shared=True, page_digest=config.page_digest)
 
 
-def _mock_memory() -> HostMemory:
+def _mock_memory(config: RunnerConfig) -> HostMemory:
     from kvcr.adapters.mock import MockHostMemory
 
-    return MockHostMemory()
+    return MockHostMemory(page_digest=config.page_digest)
 
 
 def _monotonic_clock() -> Clock:
@@ -242,9 +242,9 @@ class Container(containers.DeclarativeContainer):
 
     memory = providers.Selector(
         config.memory,
-        mmap=providers.Singleton(_mmap_memory),
-        shared=providers.Singleton(_shared_memory),
-        mock=providers.Singleton(_mock_memory),
+        mmap=providers.Singleton(_mmap_memory, runner_config),
+        shared=providers.Singleton(_shared_memory, runner_config),
+        mock=providers.Singleton(_mock_memory, runner_config),
     )
     clock = providers.Selector(
         config.clock,

@@ -139,7 +139,7 @@ log "resolved packages"
     -r "$REPO/scripts/sglang-cpu.txt" \
     ai-dynamo-runtime setuptools \
     msgpack dependency-injector \
-    xxhash prometheus-client matplotlib build \
+    xxhash blake3 prometheus-client matplotlib build \
     pytest pytest-mock pytest-timeout hypothesis ruff mypy import-linter mutmut \
     httpx2  # starlette's TestClient (scrapes SGLang's /metrics app); plain httpx there is deprecated
 

@@ -112,6 +112,7 @@ class Cluster:
         timing=None,
         peer=None,
         verify_bytes=True,
+        page_digest="xxh3",
         host_pages=64,
         peer_share=1.0,
     ):
@@ -129,6 +130,7 @@ class Cluster:
             dram_bytes=slots * sum(p.page_bytes for p in pools),
             timing=timing or Timing(),
             verify_bytes=verify_bytes,
+            page_digest=page_digest,
             # These pools are tiny: one peer may lease up to the pool's cap unless a test asks for the quota.
             max_peer_leased_fraction=peer_share,
         )

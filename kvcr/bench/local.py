@@ -9,7 +9,8 @@ with 2N pages) and a runner whose arena holds exactly N pages, then interleaves,
 * restore  — the same N pages back into other host slots;
 * query    — a query of those N keys (reported as a median time);
 * verified backup / restore — the same on a second runner with ``verify_bytes`` on (a digest per
-  page at backup, checked at restore): what turning integrity checks on costs, same run.
+  page at backup, checked at restore): what turning integrity checks on costs, same run;
+* the same on a third runner with ``page_digest: blake3`` (the cryptographic digest).
 
 Every restore is checked byte for byte once per page size. Ratios are p50 throughput of the kvcr
 path over p50 throughput of memcpy in the same run.
@@ -50,21 +51,27 @@ class LocalResult:
     verified: bool
     verify_backup_ratio: float = 0.0  # backup throughput with verify_bytes on / without, same run
     verify_restore_ratio: float = 0.0
+    blake3_backup_ratio: float = 0.0  # backup throughput with verify_bytes on and page_digest blake3 / without
+    blake3_restore_ratio: float = 0.0
 
 
 def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
     half = page_bytes // 2
     pool = PoolSpec("kv", (ComponentSpec("k", half), ComponentSpec("v", page_bytes - half)), anchor=True)
     memory = MmapHostMemory()
+    blake3_memory = MmapHostMemory(page_digest="blake3")
 
-    def make_runner(verify_bytes: bool) -> KvcrRunner:
+    def make_runner(verify_bytes: bool, digest: str = "xxh3") -> KvcrRunner:
         namespace = NamespaceSpec("bench", 64, "bf16", "page_first")
-        config = RunnerConfig("bench", namespace, (pool,), dram_bytes=pages * page_bytes, verify_bytes=verify_bytes)
+        config = RunnerConfig(
+            "bench", namespace, (pool,), dram_bytes=pages * page_bytes, verify_bytes=verify_bytes, page_digest=digest
+        )
         container = build_container(config)
-        container.memory.override(memory)  # both runners and the baseline share one memory adapter
+        # The runners and the baseline share one memory adapter per digest (its allocations are plain addresses).
+        container.memory.override(blake3_memory if digest == "blake3" else memory)
         return container.runner()
 
-    runner, checking = make_runner(False), make_runner(True)
+    runner, checking, strong = make_runner(False), make_runner(True), make_runner(True, "blake3")
     host_pages = 2 * pages
     host = memory.allocate(host_pages * page_bytes, "bench/host")
     baseline_dst = memory.allocate(pages * page_bytes, "bench/baseline")
@@ -77,6 +84,7 @@ def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
             offset += size * host_pages
         runner.register_host_pool("kv", regions)
         checking.register_host_pool("kv", regions)
+        strong.register_host_pool("kv", regions)
         ctypes.memmove(host.address, os.urandom(host.nbytes), host.nbytes)
         src_slots = list(range(pages))
         dst_slots = list(range(pages, 2 * pages))
@@ -88,6 +96,8 @@ def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
             dst_offset += n
 
         memcpy_s, backup_s, restore_s, query_s, checked_backup_s, checked_restore_s = [], [], [], [], [], []
+        strong_backup_s: list[float] = []
+        strong_restore_s: list[float] = []
         verified = False
         for rep in range(reps + 1):  # repetition 0 warms up and is not counted
             keys = page_hashes(list(range(rep * pages * 4, (rep + 1) * pages * 4)), 4)
@@ -104,7 +114,13 @@ def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
             t5 = time.perf_counter()
             checked = checking.restore("kv", keys, dst_slots)
             t6 = time.perf_counter()
-            if not all([*stored, *checked_stored]) or not all(o.restored for o in [*outcomes, *checked]):
+            strong_stored = strong.backup("kv", keys, src_slots)
+            t7 = time.perf_counter()
+            strongly_checked = strong.restore("kv", keys, dst_slots)
+            t8 = time.perf_counter()
+            if not all([*stored, *checked_stored, *strong_stored]) or not all(
+                o.restored for o in [*outcomes, *checked, *strongly_checked]
+            ):
                 raise RuntimeError("benchmark pages were not all stored and restored")
             if not verified:
                 verified = all(
@@ -121,6 +137,8 @@ def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
                 query_s.append(t4 - t3)
                 checked_backup_s.append(t5 - t4)
                 checked_restore_s.append(t6 - t5)
+                strong_backup_s.append(t7 - t6)
+                strong_restore_s.append(t8 - t7)
         nbytes = pages * page_bytes
         memcpy_t, backup_t, restore_t = timing(memcpy_s), timing(backup_s), timing(restore_s)
         return LocalResult(
@@ -139,12 +157,16 @@ def run_local(page_bytes: int, pages: int, reps: int) -> LocalResult:
             verified=verified,
             verify_backup_ratio=backup_t.p50 / timing(checked_backup_s).p50,
             verify_restore_ratio=restore_t.p50 / timing(checked_restore_s).p50,
+            blake3_backup_ratio=backup_t.p50 / timing(strong_backup_s).p50,
+            blake3_restore_ratio=restore_t.p50 / timing(strong_restore_s).p50,
         )
     finally:
         runner.close()
         checking.close()
+        strong.close()
         memory.free(host)
         memory.free(baseline_dst)
+        blake3_memory.close()
 
 
 def local_table(results: list[LocalResult]) -> str:
@@ -158,6 +180,7 @@ def local_table(results: list[LocalResult]) -> str:
             f"{r.restore_ratio:.2f}x",
             f"{r.query_p50_us:.0f}",
             f"{r.verify_backup_ratio:.2f}x / {r.verify_restore_ratio:.2f}x" if r.verify_backup_ratio else "-",
+            f"{r.blake3_backup_ratio:.2f}x / {r.blake3_restore_ratio:.2f}x" if r.blake3_backup_ratio else "-",
         ]
         for r in results
     ]
@@ -170,6 +193,7 @@ def local_table(results: list[LocalResult]) -> str:
         "restore vs memcpy",
         f"query of {results[0].pages} keys, µs" if results else "query µs",
         "with verify_bytes: backup / restore vs without",
+        "with verify_bytes and page_digest blake3: backup / restore vs without",
     ]
     return markdown_table(header, rows)
 

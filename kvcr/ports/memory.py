@@ -52,6 +52,9 @@ class SharesMemory(Protocol):
 
 
 class HostMemory(Protocol):
+    page_digest: str
+    """Which digest ``digest`` and ``copy_digested`` compute (a ``kvcr.domain.digests.PageDigest`` name)."""
+
     def allocate(self, nbytes: int, label: str) -> Allocation:
         """Reserve ``nbytes`` of zeroed, pre-faulted memory.
 
@@ -83,7 +86,8 @@ class HostMemory(Protocol):
         """Return a copy of ``nbytes`` at ``address`` (diagnostics)."""
 
     def digest(self, extents: Sequence[tuple[int, int]], seed: bytes) -> bytes:
-        """16-byte XXH3-128 of ``seed`` then every (address, nbytes) extent, in order, without copying.
+        """The adapter's page digest (``page_digest``: 16-byte XXH3-128 or 32-byte BLAKE3) of ``seed``
+        then every (address, nbytes) extent, in order, without copying.
 
         The seed binds the digest to what the bytes are (a page's key), so the digest of one
         page never vouches for another page's bytes.

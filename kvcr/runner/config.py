@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvcr.domain.deadlines import Timing
+from kvcr.domain.digests import PAGE_DIGEST_NAMES, PageDigest
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.eviction import POLICIES
 from kvcr.domain.keys import NamespaceSpec
@@ -22,10 +23,12 @@ class RunnerConfig:
     pool gets the same number of slots; ``pool_dram_bytes`` overrides a pool's share.
     ``verify_bytes``: every page gets a digest bound to its key when it is backed up, and every
     restore (local or from a peer) checks the bytes it delivered against it; a mismatch is a
-    miss. ``max_leased_fraction`` bounds how much of a pool peers' leases may pin at once, so
-    the owner's own backups always find slots; ``max_peer_leased_fraction`` bounds the share of
-    that cap one peer (one control connection) may pin, and ``max_peer_leases`` its live leases,
-    so one peer cannot starve another's restore (:mod:`kvcr.runner.quota`).
+    miss. ``page_digest`` names the digest (:mod:`kvcr.domain.digests`): every replica that reads
+    from another must use the same one. ``max_leased_fraction`` bounds how much of a pool peers'
+    leases may pin at once, so the owner's own backups always find slots;
+    ``max_peer_leased_fraction`` bounds the share of that cap one peer (one control connection)
+    may pin, and ``max_peer_leases`` its live leases, so one peer cannot starve another's
+    restore (:mod:`kvcr.runner.quota`).
     """
 
     name: str
@@ -36,6 +39,7 @@ class RunnerConfig:
     policy: str = "lru"
     timing: Timing = field(default_factory=Timing)
     verify_bytes: bool = True
+    page_digest: str = PageDigest.XXH3.value
     max_leased_fraction: float = 0.5
     max_peer_leased_fraction: float = 0.5
     max_peer_leases: int = 1024
@@ -51,6 +55,8 @@ class RunnerConfig:
         for pool in self.pool_dram_bytes:
             if pool not in names:
                 raise ConfigError(f"pool_dram_bytes names unknown pool {pool!r}")
+        if self.page_digest not in PAGE_DIGEST_NAMES:
+            raise ConfigError(f"page_digest must be one of {', '.join(PAGE_DIGEST_NAMES)}, got {self.page_digest!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if not 0 < self.max_leased_fraction <= 1:

@@ -92,6 +92,11 @@ class KvcrRunner:
         metrics: Metrics,
         inventory: InventorySink,
     ) -> None:
+        if config.verify_bytes and memory.page_digest != config.page_digest:
+            raise ConfigError(
+                f"page_digest is {config.page_digest!r} but the runner's memory adapter digests with "
+                f"{memory.page_digest!r}: build the adapter with the runner's page_digest"
+            )
         self.config = config
         self.namespaces = config.namespaces()
         # One digest naming the whole replica's key space, for logs and stats pages.

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 _CORRUPT = failed("bytes differ from the source's digest")
 _UNSIGNED = failed("the source sent no digest for the page (verify_bytes off there?)")
+_OTHER_DIGEST = failed("the source digests pages with another page_digest")
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +209,7 @@ class Transfers:
         if not self._verify:
             return [RESTORED] * len(chunk)
         outcomes: list[PageOutcome] = []
-        bad = unsigned = 0
+        bad = unsigned = other = 0
         for item in chunk:
             expected = lease.digests.get((item.pool, item.page), b"")
             if not expected:  # fail closed: a page nobody vouches for is not served
@@ -222,12 +223,24 @@ class Transfers:
                 actual = self._runner.digest_extents(item.pool, extents, item.page)
             if actual == expected:
                 outcomes.append(RESTORED)
+            elif len(actual) != len(expected):  # another algorithm: a setting differs, not the bytes
+                other += 1
+                outcomes.append(_OTHER_DIGEST)
             else:
                 bad += 1
                 outcomes.append(_CORRUPT)
-        if bad or unsigned:
-            self._metrics.increment(M.VERIFICATION_FAILURES, bad + unsigned, {"path": Path.REMOTE_RESTORE})
+        if bad or unsigned or other:
+            self._metrics.increment(M.VERIFICATION_FAILURES, bad + unsigned + other, {"path": Path.REMOTE_RESTORE})
             count_failure(self._metrics, FailureReason.VERIFICATION)
+        if other:
+            log.error(
+                "kvcr: %d pages read from %s carry %d-byte digests where page_digest here makes %d-byte ones: "
+                "set page_digest the same on every replica; reported as misses",
+                other,
+                lease.endpoint,
+                len(expected),
+                len(actual),
+            )
         if bad:
             log.error("kvcr: %d pages read from %s failed verification; reported as misses", bad, lease.endpoint)
         if unsigned:

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcr.adapters.digests import copy_and_digest, page_digest
+from kvcr.adapters.digests import copy_and_digest, hasher_for, page_digest
+from kvcr.domain.digests import PageDigest
 from kvcr.ports.errors import MemoryCopyError, RegistrationError
 from kvcr.ports.memory import Allocation, Move, SharedBacking
 
@@ -54,9 +55,13 @@ class _Shared:
 
 
 class MmapHostMemory:
-    """Allocates with mmap (from sealed memfds when ``shared``); copies with memmove."""
+    """Allocates with mmap (from sealed memfds when ``shared``); copies with memmove; digests with ``page_digest``."""
 
-    def __init__(self, *, populate: bool = True, shared: bool = False) -> None:
+    def __init__(
+        self, *, populate: bool = True, shared: bool = False, page_digest: str = PageDigest.XXH3.value
+    ) -> None:
+        hasher_for(page_digest)  # refuses an unknown name now, not at the first backup
+        self.page_digest = page_digest
         self._populate = populate
         self._shared_files = shared
         self._maps: dict[int, tuple[mmap.mmap, ctypes.Array[ctypes.c_char]]] = {}
@@ -124,7 +129,8 @@ class MmapHostMemory:
 
     def copy_digested(self, pages: Sequence[Sequence[Move]], seeds: Sequence[bytes]) -> list[bytes]:
         try:
-            return [copy_and_digest(moves, seed) for moves, seed in zip(pages, seeds, strict=True)]
+            name = self.page_digest
+            return [copy_and_digest(moves, seed, name) for moves, seed in zip(pages, seeds, strict=True)]
         except (ctypes.ArgumentError, OSError, ValueError) as exc:
             raise MemoryCopyError(f"copy failed: {exc}") from exc
 
@@ -132,7 +138,7 @@ class MmapHostMemory:
         return ctypes.string_at(address, nbytes)
 
     def digest(self, extents: Sequence[tuple[int, int]], seed: bytes) -> bytes:
-        return page_digest(extents, seed)
+        return page_digest(extents, seed, self.page_digest)
 
     def close(self) -> None:
         """Free every allocation still held (for tests and process teardown)."""

@@ -11,14 +11,17 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvcr.adapters.digests import page_digest
+from kvcr.adapters.digests import hasher_for, page_digest
+from kvcr.domain.digests import PageDigest
 from kvcr.ports.errors import MemoryCopyError, RegistrationError
 from kvcr.ports.memory import Allocation, Move
 
 
 class MockHostMemory:
-    def __init__(self, *, fail_after_moves: int | None = None) -> None:
+    def __init__(self, *, fail_after_moves: int | None = None, page_digest: str = PageDigest.XXH3.value) -> None:
+        hasher_for(page_digest)  # refuses an unknown name now, not at the first backup
         self.fail_after_moves = fail_after_moves
+        self.page_digest = page_digest
         self.copies = 0
         self._buffers: dict[int, ctypes.Array[ctypes.c_char]] = {}
         self._lock = threading.Lock()
@@ -48,13 +51,15 @@ class MockHostMemory:
     def copy_digested(self, pages: Sequence[Sequence[Move]], seeds: Sequence[bytes]) -> list[bytes]:
         """Copy first, digest the destinations after: the plain two passes the real adapter fuses."""
         self.copy([move for moves in pages for move in moves])
-        return [page_digest([(m.dst, m.nbytes) for m in moves], seed) for moves, seed in zip(pages, seeds, strict=True)]
+        name = self.page_digest
+        extents = [[(m.dst, m.nbytes) for m in moves] for moves in pages]
+        return [page_digest(page, seed, name) for page, seed in zip(extents, seeds, strict=True)]
 
     def read(self, address: int, nbytes: int) -> bytes:
         return ctypes.string_at(address, nbytes)
 
     def digest(self, extents: Sequence[tuple[int, int]], seed: bytes) -> bytes:
-        return page_digest(extents, seed)
+        return page_digest(extents, seed, self.page_digest)
 
     @property
     def live_allocations(self) -> int:

@@ -192,6 +192,7 @@ def start(
         policy=settings.policy,
         timing=settings.timing(),
         verify_bytes=settings.verify_bytes,
+        page_digest=settings.page_digest,
         max_peer_leased_fraction=settings.peer_lease_share,
     )
     node_settings = None

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcr.domain.deadlines import MAX_TIMEOUT_S, Timing
+from kvcr.domain.digests import PAGE_DIGEST_NAMES
 from kvcr.domain.endpoints import WILDCARD_HOSTS, bracketed, split_host_port
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.eviction import POLICIES
@@ -68,6 +69,7 @@ class KvcrSettings:
     peer_retry_ms: int = 1000
     read_batch_pages: int = 128
     verify_bytes: bool = True
+    page_digest: str = "xxh3"
     same_host_shm: bool = True
     landing: str = "auto"
     auth_token_file: str | None = None
@@ -209,6 +211,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "peer_retry_ms": (int,),
     "read_batch_pages": (int,),
     "verify_bytes": (bool,),
+    "page_digest": (str,),
     "same_host_shm": (bool,),
     "landing": (str,),
     "auth_token_file": (str, type(None)),
@@ -276,6 +279,8 @@ def _check(s: KvcrSettings) -> None:
         raise ConfigError(f"transport must be one of {', '.join(TRANSPORT_NAMES)}, got {_shown(s.transport)}")
     if s.transport == Transport.SHM.value and not s.same_host_shm:
         raise ConfigError("transport shm shares arenas with same-host peers: it cannot run with same_host_shm false")
+    if s.page_digest not in PAGE_DIGEST_NAMES:
+        raise ConfigError(f"page_digest must be one of {', '.join(PAGE_DIGEST_NAMES)}, got {_shown(s.page_digest)}")
     if s.dram_bytes <= 0:
         raise ConfigError("dram_bytes must be positive")
     if not 0 <= s.control_port < 65536:

@@ -28,6 +28,7 @@ def test_bench_local_writes_a_png_beside_its_json_and_shows_progress(tmp_path, c
     assert [r["page_bytes"] for r in rows] == [64 << 10, 256 << 10]
     # The cost of verify_bytes is measured in the same run (a digest per page costs something).
     assert all(0 < r["verify_backup_ratio"] < 5 and 0 < r["verify_restore_ratio"] < 5 for r in rows)
+    assert all(0 < r["blake3_backup_ratio"] < 5 and 0 < r["blake3_restore_ratio"] < 5 for r in rows)
 
 
 @pytest.mark.nixl

@@ -50,6 +50,7 @@ def test_the_runner_and_the_node_run_with_the_configured_settings(stores, tmp_pa
         "allow_unauthenticated": True,
         "policy": "fifo",
         "verify_bytes": True,
+        "page_digest": "blake3",
         "operation_timeout_ms": 3000,
         "lease_ms": 7000,
         "read_batch_pages": 7,
@@ -65,6 +66,7 @@ def test_the_runner_and_the_node_run_with_the_configured_settings(stores, tmp_pa
     assert config.namespace == NamespaceSpec("test-model", sg.P, str(host.dtype), "page_first")
     assert (config.policy, config.timing, config.verify_bytes) == ("fifo", parsed.timing(), True)
     assert config.max_peer_leased_fraction == 0.25
+    assert config.page_digest == "blake3"  # and the memory adapter digests with it (the runner refuses otherwise)
     # NIXL agent names are unique across the cluster: host, process, rank and 8 random hex digits
     name = rf"kvcr-{re.escape(socket.gethostname())}-{os.getpid()}-dp0-r0-[0-9a-f]{{8}}"
     assert re.fullmatch(name, config.name)
