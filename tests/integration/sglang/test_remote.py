@@ -76,6 +76,23 @@ def test_a_hinted_replica_restores_the_sources_pages_into_its_own_host_pool(repl
     assert b.kvcr_stats()["held_remote_pages"] == 0
 
 
+@pytest.mark.parametrize(("source_digest", "restored"), [("blake3", [True] * 3), ("xxh3", [False] * 3)])
+def test_a_blake3_replica_restores_from_a_blake3_source_and_nothing_from_an_xxh3_one(replicas, source_digest, restored):
+    a, host_a, port_a = replicas(page_digest=source_digest)
+    b, host_b, _ = replicas(enable_remote_hint=True, page_digest="blake3")
+    keys = sg.hashes(3)
+    src = host_a.alloc(3 * sg.P)
+    sg.fill(host_a, src, seed=23)
+    assert a.batch_set_v1(keys, src) == [True] * 3
+    info = hint(port_a, keys)
+    assert b.batch_exists(keys, info) == 3  # leased: the digest is checked when the bytes land
+    dst = host_b.alloc(3 * sg.P)
+    assert b.batch_get_v1(keys, dst, info) == restored
+    if all(restored):
+        assert sg.pages_equal(host_a, src, host_b, dst)
+    assert a.runner.active_leases == 0
+
+
 def test_the_hint_bounds_what_is_leased_and_local_pages_come_first(replicas):
     a, host_a, port_a = replicas()
     b, host_b, _ = replicas(enable_remote_hint=True)
