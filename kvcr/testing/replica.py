@@ -93,6 +93,7 @@ def build_node(
     peer: PeerSettings | None = None,
     transport: str = "nixl",
     verify_bytes: bool = False,
+    page_digest: str = "xxh3",
     host: str = "127.0.0.1",
 ) -> RunnerNode:
     """A node holding ``slots`` pages of ``page_bytes``, built through the composition root."""
@@ -104,6 +105,7 @@ def build_node(
         dram_bytes=slots * pool.page_bytes,
         timing=timing or Timing(),
         verify_bytes=verify_bytes,
+        page_digest=page_digest,
         max_peer_leased_fraction=1.0,  # benchmarks restore everything from one peer: no per-peer share
     )
     node_settings = NodeSettings(host, port, token=token, peer=peer or PeerSettings())
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-ms", type=int, default=10_000)
     parser.add_argument("--transport", default="nixl", help="the data plane: nixl or ucx")
     parser.add_argument("--verify-bytes", action="store_true", help="digest pages at backup (targets may check)")
+    parser.add_argument("--page-digest", default="xxh3", help="with --verify-bytes: xxh3 or blake3")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     token = Path(args.token_file).read_bytes().strip() if args.token_file else None
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         timing=timing,
         transport=args.transport,
         verify_bytes=args.verify_bytes,
+        page_digest=args.page_digest,
         host=args.host,
     )
     pool = bench_pool(args.page_bytes)

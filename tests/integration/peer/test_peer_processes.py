@@ -46,6 +46,7 @@ class Source:
         token_file: str | None = None,
         port: int | None = None,
         transport: str = "nixl",
+        extra: tuple[str, ...] = (),
     ):
         self.port = port or free_port()
         self.name = f"source-{self.port}-{time.monotonic_ns()}"
@@ -63,6 +64,7 @@ class Source:
             self.name,
             "--transport",
             transport,
+            *extra,
         ]
         if token_file:
             cmd += ["--token-file", token_file]
@@ -115,10 +117,17 @@ def target():
     made = []
 
     def make(
-        page_bytes: int = PAGE, slots: int = 8, token: bytes | None = None, pages: int = 256, transport: str = "nixl"
+        page_bytes: int = PAGE,
+        slots: int = 8,
+        token: bytes | None = None,
+        pages: int = 256,
+        transport: str = "nixl",
+        **checks,  # verify_bytes, page_digest
     ):
         name = f"target-{time.monotonic_ns()}"
-        node = build_node(name, free_port(), page_bytes, slots, token=token, timing=TIMING, transport=transport)
+        node = build_node(
+            name, free_port(), page_bytes, slots, token=token, timing=TIMING, transport=transport, **checks
+        )
         host = HostPool.allocate(MmapHostMemory(), bench_pool(page_bytes), pages)
         node.register_host_pool("kv", host.regions)
         made.append((node, host))
@@ -307,3 +316,51 @@ def test_a_session_opened_over_a_side_link_is_bound_to_it_and_a_zmq_one_to_zmq(s
     finally:
         plane.close()
         channel.close()
+
+
+@pytest.mark.parametrize(("digest", "served"), [("xxh3", True), ("blake3", False)])
+def test_a_token_holder_that_rewrites_a_leased_page_over_nixl_is_served_under_xxh3_and_refused_under_blake3(
+    sources, target, tmp_path, digest, served
+):
+    """Issue 23's compromised replica, in its own process with the cluster token: it leases a page, reads
+    it over NIXL, writes back bytes with the same XXH3 digest. A target with ``verify_bytes`` restores
+    those bytes under ``page_digest: xxh3`` and refuses them under ``blake3``."""
+    token = b"forger-cluster-token-0123456789ab"
+    token_file = tmp_path / "token"
+    token_file.write_bytes(token)
+    token_file.chmod(0o600)
+    page_bytes = 16 << 10
+    source = sources(
+        4, page_bytes=page_bytes, token_file=str(token_file), extra=("--verify-bytes", "--page-digest", digest)
+    )
+    node, host = target(page_bytes=page_bytes, token=token, pages=8, verify_bytes=True, page_digest=digest)
+    victim = source.keys[2]
+    job = {
+        "endpoint": source.endpoint,
+        "token_file": str(token_file),
+        "namespaces": node.runner.namespaces,
+        "page": victim,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.integration.nixl.forger", json.dumps(job)],
+        cwd=REPO,
+        env=dict(os.environ, UCX_NET_DEVICES="lo"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    forgery = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (forgery["read"], forgery["write"]) == ("DONE", "DONE")
+    assert bytes.fromhex(forgery["original"]) == page_pattern(victim, page_bytes)  # it read the real page
+
+    result = node.client.restore(source.endpoint, [PoolRead("kv", source.keys, [0, 1, 2, 3])])
+
+    expected = [Outcome.RESTORED, Outcome.RESTORED, Outcome.RESTORED if served else Outcome.FAILED, Outcome.RESTORED]
+    assert outcomes(result) == expected
+    if served:  # what XXH3 lets through: bytes the source never backed up, accepted as its page
+        assert host.read(2) == bytes.fromhex(forgery["forged"]) != page_pattern(victim, page_bytes)
+    else:
+        assert result["kv"][2].reason == "bytes differ from the source's digest"
+    for slot in (0, 1, 3):
+        assert host.read(slot) == page_pattern(source.keys[slot], page_bytes)

@@ -12,7 +12,8 @@ line and answers each with one JSON line:
   a LEASE under session ``s``; answers the reply (``{"lease_id": .., "slots": ..}`` or
   ``{"refused": code}``).
 - ``{"do": "hello", "namespaces": {pool: digest}}``: opens a session of its own; answers
-  ``{"session": s, "pools": {name: id}}`` or ``{"refused": code}``.
+  ``{"session": s, "pools": {name: id}, "regions": {name: [region id, ...]}, "description": hex}``
+  or ``{"refused": code}``.
 
 End of input closes the socket and exits.
 """
@@ -101,14 +102,20 @@ def _answer(sock: zmq.Socket[bytes], command: dict[str, Any]) -> dict[str, objec
     elif command["do"] == "hello":
         reply = _ask(sock, protocol.Hello(nonce, "insider", "insider", command["namespaces"]))
         if isinstance(reply, protocol.HelloReply):
-            answer = {"session": reply.session, "pools": {p.name: p.pool_id for p in reply.pools}}
+            answer = {
+                "session": reply.session,
+                "pools": {p.name: p.pool_id for p in reply.pools},
+                "regions": {p.name: p.regions for p in reply.pools},  # each component's region id
+                "description": reply.data_plane.hex(),  # what a peer's data plane reads with
+            }
         else:
             answer = {"refused": getattr(reply, "code", None)}
     else:
         pages = [(pool_id, hashes) for pool_id, hashes in command["pages"]]
         reply = _ask(sock, protocol.Lease(nonce, command["session"], command.get("lease_ms", 10_000), pages))
         if isinstance(reply, protocol.LeaseReply):
-            answer = {"lease_id": reply.lease_id, "slots": reply.slots, "ttl_ms": reply.ttl_ms}
+            digests = [[d.hex() for d in pool] for pool in reply.digests]
+            answer = {"lease_id": reply.lease_id, "slots": reply.slots, "ttl_ms": reply.ttl_ms, "digests": digests}
         else:
             answer = {"refused": getattr(reply, "code", None)}
     return answer
