@@ -48,5 +48,8 @@ def test_the_doctor_speaks_when_ucx_is_forced_to_tcp():
     assert rc == 2, output
     assert transport.startswith("WARN") and "peer reads will be slow" in transport
     assert "tcp/lo (software emulation)" in transport and "UCX_TLS=tcp" in transport
-    assert "needs the source to progress" in transport
+    # Whether a tcp READ completed with the source idle is what the probe saw this time: usually not
+    # (tcp emulates a READ with the source's worker), but UCX's async events sometimes complete one
+    # (a loaded CI run did). The line says which, in either case.
+    assert "needs the source to progress" in transport or "finishes without the source's help" in transport
     assert output.rstrip().endswith("kvcr will work, degraded")
