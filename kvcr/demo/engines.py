@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,16 @@ from kvcr.demo.dynamo.sglang_workers import (
     start_sglang_worker,
     wait_sglang_ready,
 )
-from kvcr.testing.engine import PAGE_SIZE, ROLES, SPECIAL, EngineError, EngineServer, token_id, write_model
+from kvcr.testing.engine import (
+    PAGE_SIZE,
+    ROLES,
+    SPECIAL,
+    EngineError,
+    EngineServer,
+    token_id,
+    wait_for,
+    write_model,
+)
 
 WORDS = 1000  # the tiny model's vocabulary of words (kvcr.testing.engine.write_model)
 KVCR_PATHS = ("backup", "local_restore", "remote_restore", "served")
@@ -244,7 +253,9 @@ def run_engine_demo(options: EngineDemoOptions) -> int:
             console.print(f"  {done[0]}/{total} turns answered", highlight=False)
 
         def settled() -> None:
-            _wait_backed_up(workers, options.system_tokens // PAGE_SIZE)
+            pages = options.system_tokens // PAGE_SIZE
+            with suppress(EngineError):  # the demo goes on; the table says what kvcr held
+                wait_for(lambda: _backed_up(workers) >= pages, 60, "the first turn's pages in kvcr")
             time.sleep(options.settle_s)
 
         turns = Conversations(deployment, options, advanced, settled).run()
@@ -266,16 +277,12 @@ def run_engine_demo(options: EngineDemoOptions) -> int:
     return 0 if summary.ok else 1
 
 
-def _wait_backed_up(workers: Sequence[SglangWorker], pages: int, timeout_s: float = 60.0) -> None:
-    """Until the workers' kvcr together hold ``pages`` backed-up pages (or ``timeout_s``: the demo goes on)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if sum(worker.kvcr_pages("backup") for worker in workers) >= pages:
-                return
-        except OSError:
-            pass  # a /metrics that does not answer yet; the table reports it if it never does
-        time.sleep(0.1)
+def _backed_up(workers: Sequence[SglangWorker]) -> int:
+    """Pages the workers' kvcr backed up so far (0 while a /metrics does not answer yet)."""
+    try:
+        return sum(worker.kvcr_pages("backup") for worker in workers)
+    except OSError:
+        return 0
 
 
 def _stop_all(workers: Sequence[SglangWorker]) -> None:
