@@ -166,9 +166,14 @@ class Broker:
         if reply is None:
             return
         try:
-            conn.settimeout(1.0)  # a reply fits the socket buffer; a peer that never reads loses its link
-            conn.sendall(reply)
-            conn.setblocking(False)
+            conn.send(reply, socket.MSG_DONTWAIT)  # one record: sent whole or not at all
+        except BlockingIOError:
+            try:
+                conn.settimeout(1.0)  # a full buffer: a peer that never reads loses its link
+                conn.sendall(reply)
+                conn.setblocking(False)
+            except OSError:
+                self._drop(conn, refused=False)
         except OSError:
             self._drop(conn, refused=False)
 

@@ -35,6 +35,7 @@ import os
 import select
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ from kvcr.ports.errors import ControlTimeout, PeerUnavailable, RegistrationError
 from kvcr.ports.memory import SharesMemory
 
 BEACON_BYTES = 64
+SIDE_SPIN_S = 0.0005  # how long a side request busy-polls its reply before it blocks (see _await_reply)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -306,14 +308,12 @@ class ShmDataPlane:
                     known.sock.send(payload, socket.MSG_DONTWAIT)
                 except OSError as exc:
                     raise PeerUnavailable(f"shm peer {peer!r}: its side link is closed: {exc}") from exc
-                poller = select.poll()
-                poller.register(known.sock, select.POLLIN)
-                if not poller.poll(max(0, int(timeout_s * 1000))):
-                    raise ControlTimeout(f"shm peer {peer!r} did not answer within {timeout_s:.3f}s")
                 try:
-                    reply, _, flags, _ = known.sock.recvmsg(SIDE_FRAME_BYTES + 1)
+                    reply, flags = _await_reply(known.sock, timeout_s)
                 except OSError as exc:
                     raise PeerUnavailable(f"shm peer {peer!r}: its side link broke: {exc}") from exc
+                if reply is None:
+                    raise ControlTimeout(f"shm peer {peer!r} did not answer within {timeout_s:.3f}s")
                 if not reply:
                     raise PeerUnavailable(f"shm peer {peer!r} closed its side link")
                 if flags & socket.MSG_TRUNC:
@@ -384,6 +384,32 @@ class ShmDataPlane:
     def broker(self) -> Broker | None:
         """The broker serving our memory (None until the first ``describe``), for diagnostics."""
         return self._broker
+
+
+def _await_reply(sock: socket.socket, timeout_s: float) -> tuple[bytes | None, int]:
+    """The reply frame and its flags, or None after ``timeout_s``: busy-polled for ``SIDE_SPIN_S``, then blocked.
+
+    A same-host answer usually comes within the spin; blocking first costs more than the whole
+    answer on a VM (measured on the 2-core VM: a UNIX-socket round trip 100-130 us blocked, 36-42
+    us polled). The spin is bounded and only runs while a request waits, so an idle link costs nothing.
+
+    Raises:
+        OSError: the socket broke.
+    """
+    spin_until = time.perf_counter() + min(SIDE_SPIN_S, timeout_s)
+    while True:
+        try:
+            reply, _, flags, _ = sock.recvmsg(SIDE_FRAME_BYTES + 1, 0, socket.MSG_DONTWAIT)
+            return reply, flags
+        except (BlockingIOError, InterruptedError):
+            if time.perf_counter() >= spin_until:
+                break
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    if not poller.poll(max(0, int((timeout_s - SIDE_SPIN_S) * 1000))):
+        return None, 0
+    reply, _, flags, _ = sock.recvmsg(SIDE_FRAME_BYTES + 1)
+    return reply, flags
 
 
 def _new_beacon() -> _Beacon:

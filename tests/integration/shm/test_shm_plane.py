@@ -26,6 +26,7 @@ import pytest
 from kvcr.adapters.local import MmapHostMemory
 from kvcr.adapters.shm import SameHostFirst, ShmDataPlane
 from kvcr.adapters.shm.broker import Broker
+from kvcr.adapters.shm.dataplane import SIDE_SPIN_S
 from kvcr.adapters.shm.host import HostIdentity, this_host
 from kvcr.adapters.shm.wire import REQUEST_MAGIC, SECRET_BYTES
 from kvcr.domain.layout import PieceRun, RegionDescriptor
@@ -312,6 +313,21 @@ def test_side_links_carry_frames_bound_to_their_own_connection(memory, planes):
     assert target.side_request("nobody", b"ping", 1.0) is None  # no link: the caller uses the control channel
     assert target.side_request("source", b"x" * (SIDE_FRAME_BYTES + 1), 1.0) is None
     assert not target.side_send("source", b"x" * (SIDE_FRAME_BYTES + 1))
+
+
+def test_a_side_reply_slower_than_the_spin_is_still_taken_and_a_quick_one_within_it(memory, planes):
+    """A side request busy-polls its reply for SIDE_SPIN_S, then blocks: both ways end in the reply."""
+    source, target, *_ = _pair(memory, planes)
+    delays = {b"quick": 0.0, b"slow": SIDE_SPIN_S * 20}
+    source.serve_side(lambda frame, connection: time.sleep(delays[frame]) or b"re:" + frame)
+    target.connect(source.describe(), 5.0)
+    for frame in (b"quick", b"slow", b"quick"):
+        started = time.monotonic()
+        assert target.side_request("source", frame, 2.0) == b"re:" + frame
+        assert time.monotonic() - started >= delays[frame]
+    with pytest.raises(ControlTimeout):  # a timeout shorter than the spin is kept, not stretched to it
+        source.serve_side(lambda frame, connection: time.sleep(0.05) or b"late")
+        target.side_request("source", b"quick", SIDE_SPIN_S / 2)
 
 
 def test_a_side_request_to_a_stalled_source_times_out_and_to_a_closed_one_fails(memory, planes):
