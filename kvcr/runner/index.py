@@ -21,7 +21,7 @@ its copies merged into runs).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvcr.domain.eviction import EvictionPolicy
 from kvcr.domain.keys import check_page_hash, check_page_hashes
@@ -259,23 +259,55 @@ class SlotIndex:
 
     # ------------------------------------------------------------------ leases
 
-    def lease_capped(self, entry: Entry) -> bool:
-        """Whether leasing ``entry`` would pin one page more than peers may hold."""
-        return not entry.leased and self.leased >= self.lease_cap
+    def pin_for_lease(
+        self, pages: Sequence[str], admit: Callable[[Entry], bool] | None = None
+    ) -> tuple[tuple[int, ...], tuple[bytes, ...], list[Entry], int]:
+        """Pin the READY pages of one lease in one pass: per page its slot (or -1) and digest, the
+        entries pinned (a page named twice is pinned twice), and how many ``admit`` refused.
 
-    def pin(self, entry: Entry) -> None:
-        """One more peer lease claims ``entry``."""
-        if not entry.leased:
-            self.leased += 1
-        entry.claims += 1
-        entry.leased += 1
+        A page is left out (-1, no digest) when it is not READY (or not a key), when pinning it
+        would take the pool past ``lease_cap`` distinct leased pages, or when ``admit`` (the
+        holder's quota, asked only about pages the pool could lease) says no. No call per page
+        beyond ``admit``: a LEASE of a few hundred pages runs this in front of its reply.
+        """
+        entries = self.entries
+        room = self.lease_cap - self.leased  # distinct pages peers may still pin
+        slots: list[int] = []
+        digests: list[bytes] = []
+        pinned: list[Entry] = []
+        refused = 0
+        for page in pages:
+            entry = entries.get(page) if isinstance(page, str) else None
+            if entry is None or entry.state is not _READY or (not entry.leased and room <= 0):
+                slots.append(-1)
+                digests.append(b"")
+                continue
+            if admit is not None and not admit(entry):
+                refused += 1
+                slots.append(-1)
+                digests.append(b"")
+                continue
+            if not entry.leased:
+                room -= 1
+            entry.leased += 1
+            entry.claims += 1
+            pinned.append(entry)
+            slots.append(entry.slot)
+            digests.append(entry.digest)
+        self.leased = self.lease_cap - room
+        return tuple(slots), tuple(digests), pinned, refused
 
-    def unpin(self, entry: Entry) -> None:
-        """A peer lease on ``entry`` ended (released, expired)."""
-        entry.leased -= 1
-        if not entry.leased:
-            self.leased -= 1
-        self.unclaim(entry)
+    def unpin_all(self, entries: Iterable[Entry]) -> None:
+        """A peer lease on each of ``entries`` ended (repeats allowed), in one pass."""
+        ended = 0
+        for entry in entries:
+            entry.leased -= 1
+            if not entry.leased:
+                ended += 1
+            entry.claims -= 1  # unclaim's step, inlined: this runs per page of every RELEASE
+            if entry.claims == 0 and entry.state is _DISCARDING:
+                self._free_slot(entry)
+        self.leased -= ended
 
     # ------------------------------------------------------------------ whole pool
 

@@ -134,5 +134,6 @@ class LeaseDesk:
         return self._table.pinned_pools()
 
     def _unpin(self, held: HeldLease) -> None:
-        for pool, entry in held.claims:
-            self._indexes[pool].unpin(entry)
+        claims = held.claims
+        for pool in {pool for pool, _ in claims}:
+            self._indexes[pool].unpin_all([entry for of, entry in claims if of == pool])

@@ -13,7 +13,7 @@ import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvcr.domain.residency import Lease, SlotState
+from kvcr.domain.residency import Lease
 from kvcr.runner.index import Entry, SlotIndex
 from kvcr.runner.quota import PeerQuota
 
@@ -87,8 +87,6 @@ class LeaseTable:
         over_quota = 0
         quota = self.quota
         may_lease = quota.may_lease(holder)
-        ready = SlotState.READY
-        try_pin = quota.try_pin
         for pool, pages in requests:
             index = indexes.get(pool)
             if index is None or not self.leasing or not may_lease:
@@ -96,28 +94,15 @@ class LeaseTable:
                 slots.append((MISSING_SLOT,) * len(pages))
                 digests.append((b"",) * len(pages))
                 continue
-            entries, peer_cap = index.entries, index.peer_cap
-            pool_slots: list[int] = []
-            pool_digests: list[bytes] = []
-            before = len(claims)
-            for page in pages:
-                entry = entries.get(page) if isinstance(page, str) else None
-                if entry is None or entry.state is not ready or index.lease_capped(entry):
-                    pool_slots.append(MISSING_SLOT)
-                    pool_digests.append(b"")
-                    continue
-                if not try_pin(holder, pool, entry, peer_cap):
-                    over_quota += 1
-                    pool_slots.append(MISSING_SLOT)
-                    pool_digests.append(b"")
-                    continue
-                index.pin(entry)
-                claims.append((pool, entry))
-                pool_slots.append(entry.slot)
-                pool_digests.append(entry.digest)
-            slots.append(tuple(pool_slots))
-            digests.append(tuple(pool_digests))
-            leased[pool] = leased.get(pool, 0) + len(claims) - before
+            pins = quota.pins(holder, pool, index.peer_cap) if holder else None
+            pool_slots, pool_digests, pinned, refused = index.pin_for_lease(pages, pins.admit if pins else None)
+            if pins is not None:
+                pins.commit()
+            over_quota += refused
+            claims.extend((pool, entry) for entry in pinned)
+            slots.append(pool_slots)
+            digests.append(pool_digests)
+            leased[pool] = leased.get(pool, 0) + len(pinned)
         lease_id = self._grant(claims, holder, now, duration_s) if claims else 0
         return LeaseGrant(lease_id, tuple(slots), tuple(digests), duration_s, over_quota), leased
 

@@ -13,6 +13,7 @@ Not thread-safe: the runner drives it under its lock, on every grant and every l
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable, Iterable
 
 
@@ -58,23 +59,24 @@ class PeerQuota:
         return page in held.pages or held.pinned.get(pool, 0) < cap
 
     def pin(self, holder: int, pool: str, page: Hashable) -> None:
-        """Count one more claim of ``holder`` on ``page`` of ``pool`` (for the lease being granted)."""
+        """Count one more claim of ``holder`` on ``page`` of ``pool``, whatever its share."""
         if holder:
-            self._pin(self._holder(holder), pool, page)
+            pins = self.pins(holder, pool, cap=sys.maxsize)
+            pins.admit(page)
+            pins.commit()
 
     def try_pin(self, holder: int, pool: str, page: Hashable, cap: int) -> bool:
         """``pin`` if ``may_pin``, in one step; whether it pinned."""
         if not holder:
             return True
-        held = self._holders.get(holder)
-        if held is None:
-            if cap <= 0:
-                return False
-            held = self._holders[holder] = _Holder()
-        elif page not in held.pages and held.pinned.get(pool, 0) >= cap:
-            return False
-        self._pin(held, pool, page)
-        return True
+        pins = self.pins(holder, pool, cap)
+        pinned = pins.admit(page)
+        pins.commit()
+        return pinned
+
+    def pins(self, holder: int, pool: str, cap: int) -> HolderPins:
+        """``holder``'s pins in ``pool`` for one grant: ``admit`` each page, then ``commit`` once."""
+        return HolderPins(self._holders, holder, pool, cap)
 
     def add_lease(self, holder: int) -> None:
         """Count a granted lease of ``holder`` (after its pages were pinned)."""
@@ -114,9 +116,40 @@ class PeerQuota:
             held = self._holders[holder] = _Holder()
         return held
 
-    @staticmethod
-    def _pin(held: _Holder, pool: str, page: Hashable) -> None:
-        n = held.pages.get(page, 0)
-        if not n:
-            held.pinned[pool] = held.pinned.get(pool, 0) + 1
-        held.pages[page] = n + 1
+
+class HolderPins:
+    """One holder's pins in one pool while a grant is made: ``admit`` per page, ``commit`` at the end.
+
+    The grant's pass over its pages asks this once per page (a dict lookup, no holder lookup);
+    a holder with no record gets one only at ``commit``, and only if something was pinned.
+    """
+
+    __slots__ = ("_holder", "_holders", "_pool", "_record", "cap", "count", "pages")
+
+    def __init__(self, holders: dict[int, _Holder], holder: int, pool: str, cap: int) -> None:
+        self._holders, self._holder, self._pool, self.cap = holders, holder, pool, cap
+        self._record = holders.get(holder)
+        self.pages: dict[Hashable, int] = self._record.pages if self._record is not None else {}
+        self.count = self._record.pinned.get(pool, 0) if self._record is not None else 0
+
+    def admit(self, page: Hashable) -> bool:
+        """Claim ``page``: free when already pinned, else one of the pool's ``cap`` distinct pages."""
+        pages = self.pages
+        claims = pages.get(page, 0)
+        if not claims:
+            if self.count >= self.cap:
+                return False
+            self.count += 1
+        pages[page] = claims + 1
+        return True
+
+    def commit(self) -> None:
+        """Record what ``admit`` pinned."""
+        record = self._record
+        if record is None:
+            if not self.pages:
+                return
+            record = self._record = self._holders[self._holder] = _Holder()
+            record.pages = self.pages
+        if self.count:
+            record.pinned[self._pool] = self.count

@@ -150,3 +150,25 @@ def test_pinned_pools_name_every_pool_a_live_lease_holds():
     table.release(both)
     assert table.pinned_pools() == {"kv"}
     assert [len(h.claims) for h in table] == [1]
+
+
+def test_a_page_the_holders_quota_refuses_leaves_the_pools_lease_room_to_other_peers():
+    table, ix = LeaseTable(4), indexes(lease_cap=2, peer_cap=1)
+    mine, _ = lease(table, ix, [("kv", PAGES[:3])], holder=5)
+    assert mine.slots == ((0, MISSING_SLOT, MISSING_SLOT),) and mine.over_quota == 2
+    assert ix["kv"].leased == 1  # only the pinned page takes room under the pool's cap of 2
+    theirs, _ = lease(table, ix, [("kv", PAGES[1:3])], holder=6)
+    assert theirs.slots == ((1, MISSING_SLOT),)  # the room the refused pages left, then the pool is at its cap
+    assert theirs.over_quota == 0 and ix["kv"].leased == 2
+
+
+def test_a_page_named_twice_in_one_lease_is_pinned_twice_and_released_whole():
+    table, ix = LeaseTable(4), indexes()
+    grant, leased = lease(table, ix, [("kv", [PAGES[0], PAGES[0]])], holder=5)
+    entry = ix["kv"].entries[PAGES[0]]
+    assert grant.slots == ((0, 0),) and leased == {"kv": 2}
+    assert (entry.claims, entry.leased, ix["kv"].leased) == (2, 2, 1)
+    held = table.release(grant.lease_id)
+    assert held is not None
+    ix["kv"].unpin_all([e for _, e in held.claims])
+    assert (entry.claims, entry.leased, ix["kv"].leased) == (0, 0, 0) and table.quota.holders() == 0

@@ -184,16 +184,35 @@ def test_leases_pin_pages_up_to_the_pool_cap_and_count_each_page_once():
     pages = sequence(3)
     store(ix, pages)
     a, b, c = (ix.entries[p] for p in pages)
-    assert not ix.lease_capped(a)
-    ix.pin(a)
-    ix.pin(a)
+    slots, digests, pinned, refused = ix.pin_for_lease([pages[0], pages[0]])
+    assert digests == (a.digest, a.digest)
+    assert slots == (a.slot, a.slot) and pinned == [a, a] and refused == 0
     assert ix.leased == 1 and (a.claims, a.leased) == (2, 2)
-    ix.pin(b)
-    assert ix.lease_capped(c) and not ix.lease_capped(a)  # a page already leased costs nothing more
-    ix.unpin(a)
+    slots, _, pinned, _ = ix.pin_for_lease([pages[1], pages[0], pages[2]])
+    assert slots == (b.slot, a.slot, -1) and pinned == [b, a]  # c is over the cap; a costs nothing more
+    assert ix.leased == 2 and (c.claims, c.leased) == (0, 0)
+    ix.unpin_all([a, a])
     assert ix.leased == 2 and (a.claims, a.leased) == (1, 1)
-    ix.unpin(a)
-    assert ix.leased == 1 and not ix.lease_capped(c)
+    ix.unpin_all([a, b])
+    assert ix.leased == 0 and ix.pin_for_lease([pages[2]])[0] == (c.slot,)
+
+
+def test_a_page_the_admit_check_refuses_is_not_pinned_and_takes_no_room():
+    ix = index(slots=4, lease_cap=1)
+    pages = sequence(2)
+    store(ix, pages)
+    slots, digests, pinned, refused = ix.pin_for_lease(pages, admit=lambda entry: entry.slot != 0)
+    assert slots == (-1, ix.entries[pages[1]].slot) and digests[0] == b"" and refused == 1
+    assert pinned == [ix.entries[pages[1]]] and ix.leased == 1 and ix.entries[pages[0]].claims == 0
+
+
+def test_pages_not_ready_or_not_keys_are_left_out_of_a_lease():
+    ix = index(slots=2)
+    pages = sequence(2)
+    store(ix, pages[:1])
+    slots, digests, pinned, refused = ix.pin_for_lease([pages[1], 7, pages[0]])
+    assert digests == (b"", b"", ix.entries[pages[0]].digest)
+    assert slots == (-1, -1, ix.entries[pages[0]].slot) and pinned == [ix.entries[pages[0]]] and refused == 0
 
 
 def test_an_unpinned_page_that_was_cleared_gives_its_slot_back():
@@ -201,10 +220,10 @@ def test_an_unpinned_page_that_was_cleared_gives_its_slot_back():
     page = sequence(1)
     store(ix, page)
     entry = ix.entries[page[0]]
-    ix.pin(entry)
+    ix.pin_for_lease(page)
     ix.clear()
     assert ix.free_count == 0
-    ix.unpin(entry)
+    ix.unpin_all([entry])
     assert ix.free_count == 1 and ix.leased == 0
 
 
