@@ -23,7 +23,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvcr.domain.outcomes import Outcome, PageOutcome, miss
+from kvcr.domain.outcomes import RESTORED, Outcome, PageOutcome, miss
 from kvcr.ports.clock import Clock
 from kvcr.ports.control import ControlChannel
 from kvcr.ports.dataplane import DataPlane
@@ -181,9 +181,13 @@ class PeerClient:
             return None
         slots: dict[tuple[str, str], int] = {}
         digests: dict[tuple[str, str], bytes] = {}
-        limits = {name: wire.slots for name, wire in link.pools.items()}
         for (pool, pages), granted, given in zip(asked, reply.slots, reply.digests, strict=True):
-            limit = limits[pool]
+            limit = link.pools[pool].slots
+            if granted and min(granted) >= 0 and max(granted) < limit:  # all granted: no per-page Python
+                keys = [(pool, page) for page in pages]
+                slots.update(zip(keys, granted, strict=True))
+                digests.update(zip(keys, given, strict=True))
+                continue
             for page, slot, digest in zip(pages, granted, given, strict=True):
                 if 0 <= slot < limit:
                     slots[(pool, page)] = slot
@@ -261,7 +265,11 @@ class PeerClient:
             page_bytes = self._page_bytes.get(request.pool, 0)
             tally: dict[Result, int] = {}
             pool = request.pool
-            for page, outcome in zip(request.page_hashes, outcomes.get(pool, ()), strict=False):
+            got = outcomes.get(pool, [])
+            if got.count(RESTORED) == len(request.page_hashes):  # every page restored (so every one leased)
+                tally[Result.OK] = len(got)
+                got = []
+            for page, outcome in zip(request.page_hashes, got, strict=False):
                 if pool in linked and (pool, page) not in leased:
                     continue
                 result = _RESULTS[outcome.outcome]
