@@ -35,7 +35,7 @@ from kvcr.runner.peer_links import Link, RemoteLease, SourceLinks, count_miss
 from kvcr.runner.protocol import NONCE_BYTES, Lease, LeaseReply, RefusalCode, Refused
 from kvcr.runner.runner import KvcrRunner
 from kvcr.runner.staging import StagingPool
-from kvcr.runner.transfers import PoolRead, Transfers, Wanted
+from kvcr.runner.transfers import PoolRead, Transfers, Wanted, chunks
 
 __all__ = ["LANDINGS", "PeerClient", "PeerSettings", "PoolRead", "RemoteLease"]
 
@@ -181,15 +181,19 @@ class PeerClient:
             return None
         slots: dict[tuple[str, str], int] = {}
         digests: dict[tuple[str, str], bytes] = {}
+        order: dict[str, tuple[list[str], Sequence[int], Sequence[bytes]]] = {}
         for (pool, pages), granted, given in zip(asked, reply.slots, reply.digests, strict=True):
             limit = link.pools[pool].slots
-            if granted and min(granted) >= 0 and max(granted) < limit:  # all granted: no per-page Python
+            if granted and (min(granted) < -1 or max(granted) >= limit):  # not slots of that pool: not granted
+                granted = [slot if 0 <= slot < limit else -1 for slot in granted]
+            order[pool] = (pages, granted, given)
+            if -1 not in granted:  # all granted: the maps without a per-page loop
                 keys = [(pool, page) for page in pages]
                 slots.update(zip(keys, granted, strict=True))
                 digests.update(zip(keys, given, strict=True))
                 continue
             for page, slot, digest in zip(pages, granted, given, strict=True):
-                if 0 <= slot < limit:
+                if slot >= 0:
                     slots[(pool, page)] = slot
                     digests[(pool, page)] = digest
         total = sum(len(p) for _, p in asked)
@@ -198,6 +202,7 @@ class PeerClient:
         lease = RemoteLease(
             link.endpoint, reply.lease_id, sent_at, reply.ttl_ms / 1000, slots, digests, link, session=session
         )
+        lease.order = order
         if not slots:
             lease.released = True
             self._links.send_release(link, reply.lease_id, session)
@@ -230,51 +235,76 @@ class PeerClient:
         now = self._clock.now()
         give_up = min(now + self._timing.operation_s, lease.usable_until(self._timing.lease_margin_s))
         wanted: list[Wanted] = []
+        leased: dict[str, Sequence[int]] = {}  # per pool read, its source slots (-1: not in the lease)
         for request in requests:
             geometry = link.pools.get(request.pool)
             if geometry is None:
                 outcomes[request.pool] = [miss("source has no such pool")] * len(request.page_hashes)
                 continue
+            src, digests = lease.granted(request.pool, request.page_hashes)
+            leased[request.pool] = src
             host = self._runner.pool_host_regions(request.pool)
             if [r.piece_bytes for r in host] != list(geometry.pieces):
                 outcomes[request.pool] = [miss("geometry differs from the source")] * len(request.page_hashes)
                 continue
-            slots = lease.slots
-            for index, (page, host_slot) in enumerate(zip(request.page_hashes, request.host_slots, strict=True)):
-                src_slot = slots.get((request.pool, page))
-                if src_slot is not None:
-                    wanted.append(Wanted(request.pool, index, page, host_slot, src_slot))
-        step = self.settings.max_pages_per_read
-        for start in range(0, len(wanted), step):
-            chunk = wanted[start : start + step]
+            pages, hosts = request.page_hashes, request.host_slots
+            if len(hosts) != len(pages):
+                raise ValueError(f"{len(pages)} pages but {len(hosts)} host slots for pool {request.pool!r}")
+            if -1 not in src:
+                wanted.append(Wanted(request.pool, range(len(pages)), pages, hosts, src, digests))
+                continue
+            keep = [i for i, slot in enumerate(src) if slot >= 0]
+            if keep:
+                wanted.append(
+                    Wanted(
+                        request.pool,
+                        keep,
+                        [pages[i] for i in keep],
+                        [hosts[i] for i in keep],
+                        [src[i] for i in keep],
+                        [digests[i] for i in keep],
+                    )
+                )
+        for chunk in chunks(wanted, self.settings.max_pages_per_read):
             results, moved = self._transfers.read_chunk(lease, link, chunk, give_up)
-            for item, outcome in zip(chunk, results, strict=True):
-                outcomes[item.pool][item.index] = outcome
+            at = 0
+            for part in chunk:
+                got = results[at : at + len(part)]
+                at += len(part)
+                into = outcomes[part.pool]
+                if isinstance(part.indices, range) and part.indices.step == 1:
+                    into[part.indices.start : part.indices.stop] = got
+                else:
+                    for index, outcome in zip(part.indices, got, strict=True):
+                        into[index] = outcome
             if not moved:
                 break  # the rest stays a miss: do not pile transfers on a failing peer
-        self._count(outcomes, requests, lease)
+        self._count(outcomes, requests, leased)
         self._metrics.observe(M.RESTORE_SECONDS, self._clock.now() - now, {"path": Path.REMOTE_RESTORE})
         return outcomes
 
-    def _count(self, outcomes: dict[str, list[PageOutcome]], requests: Sequence[PoolRead], lease: RemoteLease) -> None:
+    def _count(
+        self, outcomes: dict[str, list[PageOutcome]], requests: Sequence[PoolRead], leased: dict[str, Sequence[int]]
+    ) -> None:
         """Count each page's outcome once: pages of a linked pool the lease lacks were counted at grant."""
         metrics = self._metrics
-        leased = lease.slots
-        linked = lease.link.pools if lease.link is not None else {}
         for request in requests:
-            page_bytes = self._page_bytes.get(request.pool, 0)
-            tally: dict[Result, int] = {}
             pool = request.pool
+            page_bytes = self._page_bytes.get(pool, 0)
             got = outcomes.get(pool, [])
-            if got.count(RESTORED) == len(request.page_hashes):  # every page restored (so every one leased)
+            src = leased.get(pool)
+            tally: dict[Result, int] = {}
+            if got.count(RESTORED) == len(got):  # every page restored (so every one was leased)
                 tally[Result.OK] = len(got)
-                got = []
-            for page, outcome in zip(request.page_hashes, got, strict=False):
-                if pool in linked and (pool, page) not in leased:
-                    continue
-                result = _RESULTS[outcome.outcome]
-                tally[result] = tally.get(result, 0) + 1
+            else:
+                for k, outcome in enumerate(got):
+                    if src is not None and k < len(src) and src[k] < 0:
+                        continue
+                    result = _RESULTS[outcome.outcome]
+                    tally[result] = tally.get(result, 0) + 1
             for result, pages in tally.items():
+                if not pages:
+                    continue
                 metrics.increment(M.PAGES, pages, {"path": Path.REMOTE_RESTORE, "outcome": result})
                 if result is not Result.MISS:
                     metrics.increment(M.BYTES, pages * page_bytes, {"path": Path.REMOTE_RESTORE, "outcome": result})

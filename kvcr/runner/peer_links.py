@@ -23,6 +23,7 @@ import logging
 import secrets
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcr.domain.deadlines import Timing
@@ -82,9 +83,21 @@ class RemoteLease:
     link: Link | None = None
     released: bool = False
     session: int = 0  # the session it was granted under (its RELEASE goes under the same one)
+    # Per pool, the pages as asked and, in that order, their slots (-1: not granted) and digests:
+    # a read of the pages in the order they were leased looks nothing up page by page.
+    order: dict[str, tuple[list[str], Sequence[int], Sequence[bytes]]] = field(default_factory=dict)
 
     def holds(self, pool: str, page_hash: str) -> bool:
         return (pool, page_hash) in self.slots
+
+    def granted(self, pool: str, pages: Sequence[str]) -> tuple[Sequence[int], Sequence[bytes]]:
+        """Per page of ``pool``, its source slot (-1 where not leased) and digest (empty where none)."""
+        asked = self.order.get(pool)
+        if asked is not None and (asked[0] == pages or (not isinstance(pages, list) and asked[0] == list(pages))):
+            return asked[1], asked[2]
+        slots, digests = self.slots, self.digests
+        keys = [(pool, page) for page in pages]
+        return [slots.get(key, -1) for key in keys], [digests.get(key, b"") for key in keys]
 
     def usable_until(self, margin_s: float) -> float:
         """The last moment (our clock) a read under this lease may finish."""

@@ -48,15 +48,70 @@ class PoolRead:
     host_slots: Sequence[int]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Wanted:
-    """One leased page to read: where it is in its request, its key, where it lands, where it is."""
+    """Leased pages of one pool to read, as parallel arrays (no object per page on the hot path).
+
+    ``indices``: each page's position in its request (a ``range`` when they follow each other);
+    ``pages``: their keys; ``host_slots``: where they land; ``src_slots``: where the source keeps
+    them; ``digests``: what the source vouched for each (empty: none).
+    """
 
     pool: str
-    index: int
-    page: str
-    host_slot: int
-    src_slot: int
+    indices: Sequence[int]
+    pages: Sequence[str]
+    host_slots: Sequence[int]
+    src_slots: Sequence[int]
+    digests: Sequence[bytes]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def cut(self, start: int, stop: int) -> Wanted:
+        """Pages ``start:stop`` of these."""
+        return Wanted(
+            self.pool,
+            self.indices[start:stop],
+            self.pages[start:stop],
+            self.host_slots[start:stop],
+            self.src_slots[start:stop],
+            self.digests[start:stop],
+        )
+
+
+def chunks(wanted: Sequence[Wanted], step: int) -> list[list[Wanted]]:
+    """``wanted`` in order, cut into transfers of at most ``step`` pages (one may span pools)."""
+    out: list[list[Wanted]] = [[]]
+    room = step
+    for part in wanted:
+        start = 0
+        while start < len(part):
+            if room == 0:
+                out.append([])
+                room = step
+            taken = min(room, len(part) - start)
+            out[-1].append(part if taken == len(part) else part.cut(start, start + taken))
+            start += taken
+            room -= taken
+    return [chunk for chunk in out if chunk]
+
+
+def _runs(sides: list[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[int, int, int]]:
+    """(src first, dst first, count) runs of one pool's pages: one run, found without a per-page loop, when
+    both sides count up by one (the common case: a prefix leased in order into consecutive host pages)."""
+    if len(sides) == 1:
+        src, dst = sides[0]
+        if src and _counts_up(src) and _counts_up(dst):
+            return [(src[0], dst[0], len(src))]
+    return slot_runs(pair for src, dst in sides for pair in zip(src, dst, strict=True))
+
+
+def _counts_up(slots: Sequence[int]) -> bool:
+    """Whether ``slots`` is first, first + 1, ... (compared in C, not page by page in Python)."""
+    if isinstance(slots, range):
+        return slots.step == 1
+    first = slots[0]
+    return slots[-1] - first == len(slots) - 1 and list(slots) == list(range(first, first + len(slots)))
 
 
 class Transfers:
@@ -120,32 +175,30 @@ class Transfers:
     def read_chunk(
         self, lease: RemoteLease, link: Link, chunk: list[Wanted], give_up: float
     ) -> tuple[list[PageOutcome], bool]:
-        """One transfer: per page its outcome, and whether the transfer itself completed."""
+        """One transfer: per page (in chunk order) its outcome, and whether the transfer itself completed."""
+        total = sum(len(part) for part in chunk)
         if self._clock.now() >= give_up:
-            return [miss("lease expired before the read")] * len(chunk), False
-        by_pool: dict[str, list[Wanted]] = {}
-        for item in chunk:
-            by_pool.setdefault(item.pool, []).append(item)
+            return [miss("lease expired before the read")] * total, False
         buffers: dict[str, StagingBuffer] = {}
         if link.staged:
-            for pool in by_pool:
+            for pool in dict.fromkeys(part.pool for part in chunk):
                 buffer = self._staging.take(self._specs[pool])
                 if buffer is None:
                     for taken in buffers.values():
                         self._staging.give_back(taken)
-                    count_miss(self._metrics, FailureReason.NO_STAGING, len(chunk))
-                    return [miss("no staging memory free")] * len(chunk), False
+                    count_miss(self._metrics, FailureReason.NO_STAGING, total)
+                    return [miss("no staging memory free")] * total, False
                 buffers[pool] = buffer
+        staged_at = self._staged_positions(chunk) if link.staged else []
+        sides: dict[str, list[tuple[Sequence[int], Sequence[int]]]] = {}  # per pool, (source, destination) slots
+        for part, first in zip(chunk, staged_at or [0] * len(chunk), strict=True):
+            dst = range(first, first + len(part)) if link.staged else part.host_slots
+            sides.setdefault(part.pool, []).append((part.src_slots, dst))
         runs: list[PieceRun] = []
-        for pool, items in by_pool.items():
+        for pool, pool_sides in sides.items():
             src_ids = link.pools[pool].regions
-            if link.staged:
-                dst_ids = buffers[pool].ids
-                pairs = [(item.src_slot, k) for k, item in enumerate(items)]
-            else:
-                dst_ids = self._host_ids(pool)
-                pairs = [(item.src_slot, item.host_slot) for item in items]
-            for src_first, dst_first, count in slot_runs(pairs):
+            dst_ids = buffers[pool].ids if link.staged else self._host_ids(pool)
+            for src_first, dst_first, count in _runs(pool_sides):
                 runs.extend(
                     PieceRun(src, src_first, dst, dst_first, count) for src, dst in zip(src_ids, dst_ids, strict=True)
                 )
@@ -160,75 +213,89 @@ class Transfers:
             if unsettled is not None:
                 with self._lock:
                     self._quarantine.append((unsettled, list(buffers.values())))
-            return [verdict] * len(chunk), False
+            return [verdict] * total, False
         page_bytes = self._page_bytes
-        nbytes = sum(page_bytes[pool] * len(items) for pool, items in by_pool.items())
-        link.learn_rate(nbytes, self._clock.now() - started)
+        link.learn_rate(sum(page_bytes[part.pool] * len(part) for part in chunk), self._clock.now() - started)
         if not link.staged:
-            return self._checked(lease, chunk, lambda item: None), True
+            return self._checked(lease, chunk, None), True
         try:
-            return self._land_staged(by_pool, buffers, lease, chunk), True
+            return self._land_staged(chunk, buffers, staged_at, lease), True
         finally:
             for buffer in buffers.values():
                 self._staging.give_back(buffer)
 
+    @staticmethod
+    def _staged_positions(chunk: list[Wanted]) -> list[int]:
+        """Where each part's first page sits in its pool's staging buffer: dense from 0 in chunk order."""
+        used: dict[str, int] = {}
+        firsts = []
+        for part in chunk:
+            first = used.get(part.pool, 0)
+            firsts.append(first)
+            used[part.pool] = first + len(part)
+        return firsts
+
     def _land_staged(
-        self,
-        by_pool: dict[str, list[Wanted]],
-        buffers: dict[str, StagingBuffer],
-        lease: RemoteLease,
-        chunk: list[Wanted],
+        self, chunk: list[Wanted], buffers: dict[str, StagingBuffer], staged_at: list[int], lease: RemoteLease
     ) -> list[PageOutcome]:
         """Verify staged pages, then copy the good ones into their host pages."""
-        positions = {id(item): k for items in by_pool.values() for k, item in enumerate(items)}
-        outcomes = self._checked(lease, chunk, lambda item: buffers[item.pool].extents(positions[id(item)]))
+        outcomes = self._checked(lease, chunk, (buffers, staged_at))
         moves: list[Move] = []
-        for item, outcome in zip(chunk, outcomes, strict=True):
-            if not outcome.restored:
-                continue
-            host = self._runner.pool_host_regions(item.pool)
-            staged = buffers[item.pool].extents(positions[id(item)])
-            moves.extend(
-                Move(r.base + item.host_slot * r.stride, address, nbytes)
-                for r, (address, nbytes) in zip(host, staged, strict=True)
-            )
+        at = 0
+        for part, first in zip(chunk, staged_at, strict=True):
+            host = self._runner.pool_host_regions(part.pool)
+            buffer = buffers[part.pool]
+            for k, host_slot in enumerate(part.host_slots):
+                if not outcomes[at + k].restored:
+                    continue
+                moves.extend(
+                    Move(r.base + host_slot * r.stride, address, nbytes)
+                    for r, (address, nbytes) in zip(host, buffer.extents(first + k), strict=True)
+                )
+            at += len(part)
         try:
             self._memory.copy(moves)
         except TransportError as exc:
             log.warning("kvcr: copying staged pages into host pages failed: %s", exc)
-            return [failed("staged copy failed")] * len(chunk)
+            return [failed("staged copy failed")] * len(outcomes)
         return outcomes
 
     def _checked(
         self,
         lease: RemoteLease,
         chunk: list[Wanted],
-        staged: Callable[[Wanted], list[tuple[int, int]] | None],
+        staged: tuple[dict[str, StagingBuffer], list[int]] | None,
     ) -> list[PageOutcome]:
         """RESTORED per page, unless its delivered bytes differ from the source's digest for that key."""
+        total = sum(len(part) for part in chunk)
         if not self._verify:
-            return [RESTORED] * len(chunk)
+            return [RESTORED] * total
         outcomes: list[PageOutcome] = []
         bad = unsigned = other = 0
-        for item in chunk:
-            expected = lease.digests.get((item.pool, item.page), b"")
-            if not expected:  # fail closed: a page nobody vouches for is not served
-                unsigned += 1
-                outcomes.append(_UNSIGNED)
-                continue
-            extents = staged(item)
-            if extents is None:
-                actual = self._runner.host_digest(item.pool, item.host_slot, item.page)
-            else:
-                actual = self._runner.digest_extents(item.pool, extents, item.page)
-            if actual == expected:
-                outcomes.append(RESTORED)
-            elif len(actual) != len(expected):  # another algorithm: a setting differs, not the bytes
-                other += 1
-                outcomes.append(_OTHER_DIGEST)
-            else:
-                bad += 1
-                outcomes.append(_CORRUPT)
+        expected_bytes = actual_bytes = 0
+        runner = self._runner
+        for n, part in enumerate(chunk):
+            pool = part.pool
+            given = zip(part.pages, part.host_slots, part.digests, strict=True)
+            for k, (page, host_slot, expected) in enumerate(given):
+                if not expected:  # fail closed: a page nobody vouches for is not served
+                    unsigned += 1
+                    outcomes.append(_UNSIGNED)
+                    continue
+                if staged is None:
+                    actual = runner.host_digest(pool, host_slot, page)
+                else:
+                    buffers, staged_at = staged
+                    actual = runner.digest_extents(pool, buffers[pool].extents(staged_at[n] + k), page)
+                if actual == expected:
+                    outcomes.append(RESTORED)
+                elif len(actual) != len(expected):  # another algorithm: a setting differs, not the bytes
+                    other += 1
+                    expected_bytes, actual_bytes = len(expected), len(actual)
+                    outcomes.append(_OTHER_DIGEST)
+                else:
+                    bad += 1
+                    outcomes.append(_CORRUPT)
         if bad or unsigned or other:
             self._metrics.increment(M.VERIFICATION_FAILURES, bad + unsigned + other, {"path": Path.REMOTE_RESTORE})
             count_failure(self._metrics, FailureReason.VERIFICATION)
@@ -238,8 +305,8 @@ class Transfers:
                 "set page_digest the same on every replica; reported as misses",
                 other,
                 lease.endpoint,
-                len(expected),
-                len(actual),
+                expected_bytes,
+                actual_bytes,
             )
         if bad:
             log.error("kvcr: %d pages read from %s failed verification; reported as misses", bad, lease.endpoint)

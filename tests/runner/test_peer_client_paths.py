@@ -371,6 +371,36 @@ def test_a_stale_page_ahead_of_held_ones_is_one_miss_and_the_rest_count_as_resto
     assert counter(b, "kvcr_pages_total{outcome=ok,path=remote_restore}") == 2
 
 
+def test_a_read_in_another_order_than_the_lease_lands_each_page_in_its_own_host_slot(cluster):
+    """The lease's arrays serve a read in lease order; any other order (or a subset) looks pages up by key."""
+    a, b = cluster.make("A"), cluster.make("B")
+    pages = sequence(3)
+    seed(a, pages[1:], [1, 2])  # the first page is gone from the source
+    lease = b.client.lease(a.endpoint, [("kv", pages)])
+    assert lease is not None
+    shuffled = (pages[2], pages[0], pages[1])  # a tuple, and not the leased order
+    result = b.client.read(lease, [PoolRead("kv", shuffled, [7, 5, 6])])
+    assert reasons(result) == [None, "source does not hold it", None]
+    assert [
+        b.hosts["kv"].read_page(slot) == content(page, KV.page_bytes) for slot, page in ((6, pages[1]), (7, pages[2]))
+    ] == [True, True]
+    assert b.hosts["kv"].read_page(5) == bytes(KV.page_bytes)
+    assert misses(b) == 1  # the stale page, counted once (at the grant), not again at the read
+    assert counter(b, "kvcr_pages_total{outcome=ok,path=remote_restore}") == 2
+
+
+def test_slots_out_of_range_in_a_grant_are_not_read_even_in_lease_order(cluster):
+    a, b = cluster.make("A", slots=4), cluster.make("B")
+    pages = sequence(3)
+    seed(a, pages, [0, 1, 2])
+    bad = lambda r: LeaseReply(r.nonce, r.lease_id, r.ttl_ms, [[0, 4, -7]], r.digests)  # noqa: E731
+    lease = b.client.lease(Rogue(cluster, proxy(a, change_lease=bad)).endpoint, [("kv", pages)])
+    assert lease is not None
+    result = b.client.read(lease, [PoolRead("kv", pages, [5, 6, 7])])
+    assert reasons(result) == [None, "source does not hold it", "source does not hold it"]
+    assert b.hosts["kv"].read_page(6) == b.hosts["kv"].read_page(7) == bytes(KV.page_bytes)
+
+
 def test_pages_of_a_pool_the_source_lacks_are_counted_as_misses_at_read(cluster):
     a, b = cluster.make("A"), cluster.make("B")
     pages = sequence(2)

@@ -9,6 +9,7 @@ which handles and staging buffers stay quarantined until their read is really ov
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import pytest
 
@@ -23,7 +24,7 @@ from kvcr.runner import protocol
 from kvcr.runner.peer_links import RemoteLease, SourceLinks
 from kvcr.runner.protocol import Hello, HelloReply, PoolWire
 from kvcr.runner.staging import StagingPool
-from kvcr.runner.transfers import Transfers, Wanted
+from kvcr.runner.transfers import Transfers, Wanted, chunks
 from tests.support import HostPool, content, indexer_pool, kv_pool, make_runner, sequence
 
 TIMING = Timing(operation_s=2.0, abandon_s=4.0, control_s=0.25, lease_s=5.0, lease_margin_s=0.5, retry_after_s=1.0)
@@ -121,7 +122,7 @@ class Rig:
         held.write_page(src_slot, content(page, held.pool.page_bytes))
         return self.runner.digest_extents(pool, page_extents(held.regions, src_slot), page)
 
-    def lease(self, items: list[Wanted], *, ttl_s: float = TIMING.lease_s, unsigned=(), wrong=()) -> RemoteLease:
+    def lease(self, items: list[Item], *, ttl_s: float = TIMING.lease_s, unsigned=(), wrong=()) -> RemoteLease:
         """A lease over ``items`` (each written at the source first), with a digest per page unless told."""
         slots, digests = {}, {}
         for item in items:
@@ -134,16 +135,16 @@ class Rig:
                 digests[key] = digest
         return RemoteLease("src", LEASE_ID, self.clock.now(), ttl_s, slots, digests, self.link)
 
-    def read(self, lease: RemoteLease, chunk: list[Wanted], give_up: float | None = None):
+    def read(self, lease: RemoteLease, chunk: list[Item], give_up: float | None = None):
         deadline = self.clock.now() + TIMING.operation_s if give_up is None else give_up
-        return self.transfers.read_chunk(lease, self.link, chunk, deadline)
+        return self.transfers.read_chunk(lease, self.link, parts(lease, chunk), deadline)
 
-    def landed(self, item: Wanted) -> bool:
+    def landed(self, item: Item) -> bool:
         """Whether the item's host slot holds exactly the source's bytes of its page."""
         host = self.hosts[item.pool]
         return host.read_page(item.host_slot) == content(item.page, host.pool.page_bytes)
 
-    def untouched(self, item: Wanted) -> bool:
+    def untouched(self, item: Item) -> bool:
         host = self.hosts[item.pool]
         return host.read_page(item.host_slot) == bytes(host.pool.page_bytes)
 
@@ -167,11 +168,42 @@ def rig():
         r.close()
 
 
-def wanted(pages, src_slots, host_slots, pool="kv") -> list[Wanted]:
+@dataclass(frozen=True)
+class Item:
+    """One page of a chunk as the tests write it: the transfers read them as per-pool arrays (``Wanted``)."""
+
+    pool: str
+    index: int
+    page: str
+    host_slot: int
+    src_slot: int
+
+
+def wanted(pages, src_slots, host_slots, pool="kv") -> list[Item]:
     return [
-        Wanted(pool, i, page, host, src)
+        Item(pool, i, page, host, src)
         for i, (page, src, host) in enumerate(zip(pages, src_slots, host_slots, strict=True))
     ]
+
+
+def parts(lease: RemoteLease, chunk: list[Item]) -> list[Wanted]:
+    """``chunk`` as the client hands it over: runs of one pool's pages, with the lease's digests."""
+    out: list[Wanted] = []
+    for item in chunk:
+        digest = lease.digests.get((item.pool, item.page), b"")
+        if out and out[-1].pool == item.pool:
+            last = out[-1]
+            out[-1] = Wanted(
+                item.pool,
+                [*last.indices, item.index],
+                [*last.pages, item.page],
+                [*last.host_slots, item.host_slot],
+                [*last.src_slots, item.src_slot],
+                [*last.digests, digest],
+            )
+        else:
+            out.append(Wanted(item.pool, [item.index], [item.page], [item.host_slot], [item.src_slot], [digest]))
+    return out
 
 
 # ------------------------------------------------------------------ one read per chunk
@@ -202,9 +234,39 @@ def test_slots_that_do_not_continue_each_other_start_a_new_run(rig):
     assert outcomes == [RESTORED] * 3 and moved and all(r.landed(item) for item in chunk)
 
 
+@pytest.mark.parametrize(
+    ("src", "host", "expected"),
+    [
+        ([4, 4, 6], [10, 11, 12], [(4, 10, 1), (4, 11, 1), (6, 12, 1)]),  # ends as if consecutive, is not
+        ([4, 5, 6], [10, 12, 11], [(4, 10, 1), (6, 11, 1), (5, 12, 1)]),  # the source counts up, the host not
+    ],
+    ids=["source repeats", "host out of order"],
+)
+def test_one_run_only_when_both_sides_count_up_by_one(rig, src, host, expected):
+    r = rig()
+    chunk = wanted(PAGES[:3], src, host)
+    _, moved = r.read(r.lease(chunk), chunk)
+    (k, v), (hk, hv) = r.src_ids["kv"], r.host_ids["kv"]
+    runs, _ = r.posted[0]
+    assert runs == [PieceRun(c, s, h, d, n) for s, d, n in expected for c, h in ((k, hk), (v, hv))]
+    assert moved
+
+
+def test_two_parts_of_one_pool_in_one_chunk_share_the_runs_of_that_pool(rig):
+    r = rig()
+    first, second = wanted(PAGES[:2], [4, 5], [10, 11]), wanted(PAGES[2:4], [6, 7], [12, 13])
+    lease = r.lease(first + second)
+    together = [*parts(lease, first), *parts(lease, second)]
+    assert len(together) == 2
+    outcomes, moved = r.transfers.read_chunk(lease, r.link, together, r.clock.now() + TIMING.operation_s)
+    (k, v), (hk, hv) = r.src_ids["kv"], r.host_ids["kv"]
+    assert r.posted[0][0] == [PieceRun(k, 4, hk, 10, 4), PieceRun(v, 4, hv, 10, 4)]
+    assert outcomes == [RESTORED] * 4 and moved and all(r.landed(item) for item in first + second)
+
+
 def test_a_chunk_spanning_pools_is_still_one_read_and_each_pool_lands_in_its_own_host_pages(rig):
     r = rig(pools=(KV, INDEXER))
-    chunk = [Wanted("kv", 0, PAGES[0], 3, 1), Wanted("indexer", 0, PAGES[0], 5, 2)]
+    chunk = [Item("kv", 0, PAGES[0], 3, 1), Item("indexer", 0, PAGES[0], 5, 2)]
     outcomes, moved = r.read(r.lease(chunk), chunk)
     assert outcomes == [RESTORED, RESTORED] and moved
     assert len(r.posted) == 1
@@ -224,7 +286,7 @@ def test_a_direct_read_lands_byte_for_byte_in_the_host_slots_and_releases_its_ha
     outcomes, moved = r.read(r.lease(chunk), chunk)
     assert outcomes == [RESTORED] * 4 and moved
     assert all(r.landed(item) for item in chunk)
-    assert r.untouched(Wanted("kv", 0, "", 24, 0))  # not a byte beyond the chunk
+    assert r.untouched(Item("kv", 0, "", 24, 0))  # not a byte beyond the chunk
     assert r.plane.live_transfers == 0 and r.transfers.quarantined == 0
     assert r.memory.live_allocations == 1  # the runner's arena only: a direct read takes no staging memory
 
@@ -325,7 +387,7 @@ def test_with_no_staging_memory_free_the_chunk_is_a_miss_and_buffers_already_tak
     r = rig(pools=(KV, INDEXER), landing="staged", staging_buffers=1)
     held = r.staging.take(INDEXER)
     assert held is not None
-    chunk = [Wanted("kv", 0, PAGES[0], 3, 1), Wanted("indexer", 0, PAGES[0], 5, 2)]
+    chunk = [Item("kv", 0, PAGES[0], 3, 1), Item("indexer", 0, PAGES[0], 5, 2)]
     outcomes, moved = r.read(r.lease(chunk), chunk)
     assert outcomes == [miss("no staging memory free")] * 2 and not moved
     assert r.posted == []
@@ -469,7 +531,7 @@ def test_a_quarantined_staging_buffer_is_not_reused_until_its_read_ends_and_is_r
 
 def test_a_stalled_chunk_spanning_pools_quarantines_one_handle_with_every_pools_buffer(rig):
     r = rig(pools=(KV, INDEXER), faults=STALLED)
-    chunk = [Wanted("kv", 0, PAGES[0], 3, 1), Wanted("indexer", 0, PAGES[0], 5, 2)]
+    chunk = [Item("kv", 0, PAGES[0], 3, 1), Item("indexer", 0, PAGES[0], 5, 2)]
     r.read(r.lease(chunk), chunk, give_up=r.clock.now() + 1.0)
     assert r.transfers.quarantined == 1 and r.staging.quarantined == 2
     r.source.set_faults(Faults(late_writes=True))
@@ -515,7 +577,7 @@ def test_a_quarantined_read_whose_poll_fails_is_kept_and_the_others_are_still_re
 
 def test_a_completed_read_teaches_the_link_its_rate_over_every_pools_bytes(rig):
     r = rig(pools=(KV, INDEXER), faults=Faults(latency_s=0.5))
-    chunk = [Wanted("kv", 0, PAGES[0], 3, 1), Wanted("indexer", 0, PAGES[0], 5, 2)]
+    chunk = [Item("kv", 0, PAGES[0], 3, 1), Item("indexer", 0, PAGES[0], 5, 2)]
     outcomes, _ = r.read(r.lease(chunk), chunk)
     assert outcomes == [RESTORED, RESTORED]
     nbytes = KV.page_bytes + INDEXER.page_bytes
@@ -527,3 +589,27 @@ def test_a_failed_read_teaches_the_link_nothing(rig):
     chunk = wanted(PAGES[:1], [0], [5])
     outcomes, _ = r.read(r.lease(chunk), chunk)
     assert outcomes[0].outcome is Outcome.FAILED and r.link.bytes_per_s == 0.0
+
+
+# ------------------------------------------------------------------ cutting reads into transfers
+
+
+def _part(pool: str, n: int, first: int = 0) -> Wanted:
+    pages = [f"{pool}{k}" for k in range(first, first + n)]
+    return Wanted(pool, range(first, first + n), pages, list(range(n)), list(range(n)), [b""] * n)
+
+
+def test_chunks_fill_each_transfer_up_to_the_step_across_pools_in_order():
+    kv, idx = _part("kv", 5), _part("indexer", 3)
+    cut = chunks([kv, idx], 4)
+    assert [[(p.pool, list(p.indices)) for p in chunk] for chunk in cut] == [
+        [("kv", [0, 1, 2, 3])],
+        [("kv", [4]), ("indexer", [0, 1, 2])],
+    ]
+    assert cut[1][0].pages == ["kv4"] and cut[1][0].src_slots == [4] and isinstance(cut[1][0].indices, range)
+    assert cut[1][1] is idx  # a part that fits whole is not copied
+
+
+def test_chunks_of_nothing_are_none_and_a_step_of_one_is_one_page_each():
+    assert chunks([], 4) == []
+    assert [len(chunk[0]) for chunk in chunks([_part("kv", 3)], 1)] == [1, 1, 1]
