@@ -16,7 +16,7 @@
 #   * the kvcr package itself (editable, --no-deps) once <repo>/pyproject.toml exists.
 #
 # Idempotent: stamp files in the venv record the hash of this script + constraints.txt and of
-# pyproject.toml; matching stamps skip everything (a pyproject.toml change only redoes the editable
+# pyproject.toml with the C extension's source; matching stamps skip everything (a change there only redoes the editable
 # install). Force a full run with KVCR_FORCE_INSTALL=1; KVCR_INSTALL_VERBOSE=1 shows pip's output.
 # See docs/dev-environment.md.
 set -euo pipefail
@@ -35,7 +35,12 @@ log() { printf '[install.sh %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 # (pyproject.toml), so an edit of pyproject.toml only re-runs the cheap editable step.
 env_hash() { cat "${BASH_SOURCE[0]}" "$CONSTRAINTS" "$REPO/scripts/sglang-cpu.txt" | sha256sum | cut -d' ' -f1; }
 project_hash() {
-    if [ -f "$REPO/pyproject.toml" ]; then sha256sum <"$REPO/pyproject.toml" | cut -d' ' -f1; else echo none; fi
+    # pyproject.toml and the C extension's source: an edit of either rebuilds the editable install
+    if [ -f "$REPO/pyproject.toml" ]; then
+        cat "$REPO/pyproject.toml" "$REPO"/kvcr/adapters/shm/*.c 2>/dev/null | sha256sum | cut -d' ' -f1
+    else
+        echo none
+    fi
 }
 ENV_WANT="$(env_hash)"
 PROJECT_WANT="$(project_hash)"

@@ -34,7 +34,11 @@ def installed_from_the_wheel() -> str:
     dist = md.distribution("kvcr-runner")
     direct_url = dist.read_text("direct_url.json")
     assert direct_url is None or '"editable": true' not in direct_url
-    return f"kvcr-runner {dist.version} from {where.parent}"
+    from kvcr.adapters.shm import dataplane
+
+    # built where a C compiler is (CI's machines): the optional extension must be in the wheel
+    assert dataplane._stream_copy is not None, "the wheel lacks kvcr.adapters.shm._stream (streaming copies)"
+    return f"kvcr-runner {dist.version} from {where.parent}, with its streaming-copy extension"
 
 
 def compat_finds_a_supported_environment() -> str:

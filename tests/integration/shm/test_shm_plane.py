@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from kvcr.adapters.local import MmapHostMemory
-from kvcr.adapters.shm import SameHostFirst, ShmDataPlane
+from kvcr.adapters.shm import SameHostFirst, ShmDataPlane, dataplane
 from kvcr.adapters.shm.broker import Broker
 from kvcr.adapters.shm.dataplane import SIDE_SPIN_S
 from kvcr.adapters.shm.host import HostIdentity, this_host
@@ -282,6 +282,39 @@ def test_a_frozen_source_stalls_no_read_and_a_killed_one_fails_them_at_once(memo
             target.connect(source.description, 1.0)  # nobody serves its socket any more
     finally:
         source.close()
+
+
+def test_a_read_of_stream_min_bytes_streams_past_the_cache_and_a_smaller_one_does_not(memory, planes, monkeypatch):
+    """A large read goes through the streaming copy (one call per run), a small one through memmove;
+    both land the source's exact bytes."""
+    piece, count = 1 << 20, dataplane.STREAM_MIN_BYTES >> 20
+    streamed = []
+    real = dataplane._stream_copy
+    assert real is not None, "the _stream extension was not built (a C compiler is needed at install)"
+
+    def counting(dst, src, nbytes):
+        streamed.append(nbytes)
+        return real(dst, src, nbytes)
+
+    monkeypatch.setattr(dataplane, "_stream_copy", counting)
+    source = planes(ShmDataPlane("source", memory))
+    target = planes(ShmDataPlane("target", memory))
+    src_alloc = memory.allocate(piece * count, "big-src")
+    data = np.random.default_rng(5).integers(0, 256, piece * count, dtype=np.uint8).tobytes()
+    ctypes.memmove(src_alloc.address, data, len(data))
+    (src,) = source.register([RegionDescriptor("big-src", src_alloc.address, piece, count, piece)], exposed=True)
+    dst_region = RegionDescriptor("big-dst", memory.allocate(piece * count, "big-dst").address, piece, count, piece)
+    (dst,) = target.register([dst_region], exposed=False)
+    peer = target.connect(source.describe(), 5.0)
+    handle = target.read(peer.name, [PieceRun(src, 0, dst, count - 1, 1), PieceRun(src, 1, dst, 0, count - 1)])
+    assert target.poll(handle) is TransferState.DONE
+    target.release(handle)
+    assert streamed == [piece, piece * (count - 1)]
+    got = ctypes.string_at(dst_region.base, piece * count)
+    assert got[: piece * (count - 1)] == data[piece:] and got[piece * (count - 1) :] == data[:piece]
+    handle = target.read(peer.name, [PieceRun(src, 3, dst, 3, 2)])  # 2 MiB: below STREAM_MIN_BYTES
+    target.release(handle)
+    assert streamed == [piece, piece * (count - 1)]
 
 
 # ---------------------------------------------------------------------- side links
