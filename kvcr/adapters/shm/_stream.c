@@ -5,7 +5,8 @@
  * non-temporal threshold, which it derives from the last-level cache size the CPU reports) first
  * reads every destination line into the cache and then evicts it again; streaming stores write
  * around the cache. Measured on the 2-core CI VM (which reports a 480 MiB L3, so glibc streams only
- * copies of >= 181 MiB): one 128 MiB copy ran at 6.0 GB/s with memmove and 9.1 GB/s streamed.
+ * copies of >= 181 MiB): one 128 MiB copy ran at 5.9-6.1 GB/s with memmove and 9.2-10.0 GB/s here;
+ * 256-512 MiB, which glibc streams itself, 8.6-9.6 against 9.3-9.9.
  *
  * copy(dst, src, nbytes): dst and src are addresses (ints), as for ctypes.memmove; the caller has
  * checked that both ranges are mapped and do not overlap. Small copies and non-x86 builds use memcpy.
@@ -22,33 +23,59 @@
 #define KVCR_STREAMS 0
 #endif
 
-#define STREAM_BLOCK 64
-#define STREAM_MIN 4096 /* below a page, a plain copy: nothing to gain from bypassing the cache */
+#define LINE 64
+#define PAGE 4096
+#define STREAM_MIN PAGE /* below a page, a plain copy: nothing to gain from bypassing the cache */
+
+#if KVCR_STREAMS
+static inline void stream_line(char *dst, const char *src)
+{
+    __m128i a = _mm_loadu_si128((const __m128i *)src);
+    __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+    __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+    __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+    _mm_stream_si128((__m128i *)dst, a);
+    _mm_stream_si128((__m128i *)(dst + 16), b);
+    _mm_stream_si128((__m128i *)(dst + 32), c);
+    _mm_stream_si128((__m128i *)(dst + 48), d);
+}
+#endif
 
 static void stream_copy(char *dst, const char *src, size_t n)
 {
 #if KVCR_STREAMS
     if (n >= STREAM_MIN) {
-        size_t head = (STREAM_BLOCK - ((uintptr_t)dst & (STREAM_BLOCK - 1))) & (STREAM_BLOCK - 1);
-        memcpy(dst, src, head); /* align the destination to a cache line */
+        size_t head = (PAGE - ((uintptr_t)dst & (PAGE - 1))) & (PAGE - 1);
+        if (head > n) {
+            head = n;
+        }
+        memcpy(dst, src, head); /* align the destination to a page */
         dst += head;
         src += head;
         n -= head;
-        size_t blocks = n / STREAM_BLOCK;
-        for (size_t i = 0; i < blocks; i++) {
-            __m128i a = _mm_loadu_si128((const __m128i *)src);
-            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-            __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-            _mm_stream_si128((__m128i *)dst, a);
-            _mm_stream_si128((__m128i *)(dst + 16), b);
-            _mm_stream_si128((__m128i *)(dst + 32), c);
-            _mm_stream_si128((__m128i *)(dst + 48), d);
-            src += STREAM_BLOCK;
-            dst += STREAM_BLOCK;
+        /* Four pages at a time, one line of each in turn: four streams in flight keep more of the
+         * memory system busy than one (the same idea as glibc's own large-copy loop). Measured on
+         * the CI VM: 128 MiB at 9.2-10.0 GB/s, against 7.3-8.2 one page at a time. */
+        size_t groups = n / (4 * PAGE);
+        for (size_t g = 0; g < groups; g++) {
+            for (size_t at = 0; at < PAGE; at += LINE) {
+                stream_line(dst + at, src + at);
+                stream_line(dst + PAGE + at, src + PAGE + at);
+                stream_line(dst + 2 * PAGE + at, src + 2 * PAGE + at);
+                stream_line(dst + 3 * PAGE + at, src + 3 * PAGE + at);
+            }
+            dst += 4 * PAGE;
+            src += 4 * PAGE;
         }
+        n -= groups * 4 * PAGE;
+        size_t lines = n / LINE;
+        for (size_t i = 0; i < lines; i++) {
+            stream_line(dst, src);
+            dst += LINE;
+            src += LINE;
+        }
+        n -= lines * LINE;
         _mm_sfence(); /* streamed stores are weakly ordered: make them visible before we return */
-        n -= blocks * STREAM_BLOCK;
     }
 #endif
     memcpy(dst, src, n);
