@@ -9,7 +9,9 @@ import pytest
 
 from kvcr.adapters.shm import _stream
 
-SIZES = [0, 1, 15, 63, 64, 65, 4095, 4096, 4097, 4096 + 63, 3 * 4096 + 100, 65536 + 17, 3 * 16384 + 4095 + 64 * 5 + 7, (1 << 20) + 5]
+# around each path of the copy: a plain copy below a page, whole four-page groups, single lines, a tail
+SIZES = [0, 1, 15, 63, 64, 65, 4095, 4096, 4097, 4096 + 63, 3 * 4096 + 100, 65536 + 17]
+SIZES += [3 * 16384 + 4095 + 64 * 5 + 7, (1 << 20) + 5]
 
 
 def _buffers(n):
