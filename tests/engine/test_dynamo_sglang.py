@@ -44,6 +44,7 @@ from kvcr.testing.engine import PAGE_SIZE, prompt_ids, token_id, word, write_mod
 pytestmark = [pytest.mark.timeout(240)]
 
 PROMPT_TOKENS = 512
+LEADING_TOKENS = 10  # of each 40-token answer, compared with A's (see the end of the hinted test)
 
 
 def http(url: str, body: Any = None, timeout_s: float = 60.0) -> Any:
@@ -157,10 +158,18 @@ def test_a_hinted_request_restores_the_prefix_from_the_peer(deployment):
     remote = b.kvcr_pages("remote_restore") - remote_before
     assert remote >= (PROMPT_TOKENS - PAGE_SIZE) // PAGE_SIZE  # the prefix's pages, read from A's kvcr DRAM
     assert a.kvcr_pages("served") - served_before >= remote
-    # Every answer, B's from restored pages among them, equals A's for the same request
+    # Every answer, B's from restored pages among them, starts as A's for the same request does.
+    # Greedy decoding in bf16 on the CPU is not batch-invariant: one request decoded in a batch and
+    # alone can flip a near-tied argmax after some dozens of tokens (a CI run saw request 3 agree for
+    # 25 tokens, then part). A wrong restored prefix changes every generated token's attention from
+    # the first on, so the leading tokens carry the check.
     assert len(answers) == len(bodies)
     for k, body in enumerate(bodies):
         pinned = {**body, "nvext": {"backend_instance_id": a_id}}
         again = http(f"{url}/v1/completions", pinned)["choices"][0]["text"]
-        assert answers[k] == again, f"request {k}: {answers[k]!r} != A's {again!r}"
-    print(f"B cached {max(on_b)} tokens; {remote} pages from A's kvcr DRAM; {len(bodies)} answers equal A's")
+        leading = answers[k].split()[:LEADING_TOKENS]
+        assert leading == again.split()[:LEADING_TOKENS], f"request {k}: {answers[k]!r} != A's {again!r}"
+    print(
+        f"B cached {max(on_b)} tokens; {remote} pages from A's kvcr DRAM; "
+        f"{len(bodies)} answers start as A's ({LEADING_TOKENS} tokens)"
+    )
