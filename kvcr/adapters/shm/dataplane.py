@@ -409,8 +409,8 @@ def _copier(nbytes: int) -> Callable[[int, int, int], object]:
     A large read's destination is host pages the GPU takes next by DMA; caching them only evicts
     what the engine uses. glibc streams a single copy only above a threshold it derives from the
     cache size the CPU reports (181 MiB on the CI VM, which reports a 480 MiB L3), so a 256 MiB read
-    of two 128 MiB runs went through the cache at 6 GB/s against 9 GB/s streamed. Below 64 MiB
-    (measured there: 8-32 MiB copies 10-15 % faster through the cache) memmove stays.
+    of two 128 MiB runs went through the cache at 6 GB/s against 9-10 GB/s streamed. Below 64 MiB
+    (measured there: 4-32 MiB copies 10-15 % faster through the cache) memmove stays.
     """
     if _stream_copy is not None and nbytes >= STREAM_MIN_BYTES:
         return _stream_copy
