@@ -40,7 +40,7 @@ mkdir -p "$WORK/dist"
 #    from the unpacked sdist, which proves the sdist is complete.
 log "python -m build"
 "$DEV_PY" -m build --outdir "$WORK/dist" "$REPO" >"$WORK/build.log" 2>&1 || { cat "$WORK/build.log" >&2; exit 1; }
-WHEEL="$(ls "$WORK"/dist/kvcr_runner-*.whl)"  # a platform wheel: it carries the _stream extension
+WHEEL="$(ls "$WORK"/dist/kvcr_runner-*.whl)"  # a platform wheel: it carries the _stream and _board extensions
 SDIST="$(ls "$WORK"/dist/kvcr_runner-*.tar.gz)"
 log "built $(basename "$SDIST") and $(basename "$WHEEL")"
 "$DEV_PY" - "$WHEEL" <<'PY'
@@ -50,9 +50,12 @@ tops = sorted({n.split("/")[0] for n in names})
 bad = [t for t in tops if t != "kvcr" and not t.endswith(".dist-info")]
 assert not bad, f"the wheel installs more than the kvcr package: {bad}"
 assert "kvcr/compat.py" in names and "kvcr/integrations/sglang/plugin.py" in names, "the wheel misses modules"
-assert any(n.startswith("kvcr/adapters/shm/_stream.") and n.endswith(".so") for n in names), "no _stream extension"
+for ext in ("_stream", "_board"):
+    assert any(n.startswith(f"kvcr/adapters/shm/{ext}.") and n.endswith(".so") for n in names), f"no {ext} extension"
 PY
-grep -q '/kvcr/adapters/shm/_stream.c$' <<<"$(tar -tzf "$SDIST")" || { echo "the sdist lacks _stream.c" >&2; exit 1; }
+for source in _stream.c _board.c; do
+    grep -q "/kvcr/adapters/shm/$source\$" <<<"$(tar -tzf "$SDIST")" || { echo "the sdist lacks $source" >&2; exit 1; }
+done
 
 # 2. "the operator's SGLang deployment": a fresh venv with SGLang 0.5.23 installed the CPU way.
 log "fresh venv $WORK/venv with SGLang 0.5.23 (CPU recipe)"

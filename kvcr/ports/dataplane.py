@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from kvcr.domain.board import BoardHits, BoardLayout
 from kvcr.domain.layout import PieceRun, RegionDescriptor
 from kvcr.ports.control import ConnectionHandler
 
@@ -47,6 +48,7 @@ __all__ = [
     "PeerInfo",
     "PieceRun",
     "ReadGuard",
+    "SharedBoards",
     "SideChannel",
     "TransferState",
 ]
@@ -193,3 +195,25 @@ class SideChannel(Protocol):
 
     def side_send(self, peer: str, payload: bytes) -> bool:
         """A one-way frame over ``peer``'s side link (never blocks); False when it has none or it failed."""
+
+
+@runtime_checkable
+class SharedBoards(Protocol):
+    """Optional: a data plane that lets same-host peers map a source's slot boards (``kvcr.domain.board``).
+
+    The source shares each pool's board as a region only same-host peers can map; a target that
+    maps it finds where pages sit without a LEASE, and checks after its copy that they did not move.
+    Both lookups are lock-free reads of the peer's memory; a peer this plane does not map (another
+    host, or no board support built) answers None, and the caller leases the usual way.
+    """
+
+    def share_board(self, region: RegionDescriptor) -> int:
+        """Expose ``region`` (a board) to same-host peers only; its id goes into the peer protocol's HELLO."""
+
+    def board_lookup(self, peer: str, region: int, layout: BoardLayout, keys: bytes) -> BoardHits | None:
+        """Per 32-byte key of ``keys``, where ``peer``'s board ``region`` has it; None: no board to read."""
+
+    def board_still(
+        self, peer: str, region: int, layout: BoardLayout, slots: list[int], gens: list[int]
+    ) -> list[bool] | None:
+        """Per slot, whether its generation is still the one a lookup read; None: no board to read."""

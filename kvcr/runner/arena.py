@@ -7,9 +7,11 @@ Which slots are free is the slot index's business (``index.py``).
 
 from __future__ import annotations
 
+from kvcr.domain.board import board_layout
 from kvcr.domain.layout import RegionDescriptor
 from kvcr.domain.pools import PoolSpec
 from kvcr.ports.memory import Allocation, HostMemory
+from kvcr.runner.board import SlotBoard
 
 
 def arena_label(pool: str, component: str) -> str:
@@ -42,9 +44,22 @@ class Arena:
             )
             offset += slots * component.piece_bytes
         self.regions: tuple[RegionDescriptor, ...] = tuple(regions)
+        self.board_allocation: Allocation | None = None
+
+    def share_board(self) -> tuple[SlotBoard, RegionDescriptor]:
+        """A slot board for this arena, in memory of its own (same-host peers map it as one region)."""
+        layout = board_layout(self.slots)
+        if self.board_allocation is None:
+            self.board_allocation = self._memory.allocate(layout.nbytes, f"kvcr/{self.pool.name}/board")
+        address = self.board_allocation.address
+        region = RegionDescriptor(f"kvcr/{self.pool.name}/board", address, layout.nbytes, 1, layout.nbytes)
+        return SlotBoard(address, layout), region
 
     def release(self) -> None:
         """Give the memory back (only when quiescent)."""
         if self.allocation is not None:
             self._memory.free(self.allocation)
             self.allocation = None
+        if self.board_allocation is not None:
+            self._memory.free(self.board_allocation)
+            self.board_allocation = None

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvcr.domain.eviction import EvictionPolicy
 from kvcr.domain.keys import check_page_hash, check_page_hashes
 from kvcr.domain.residency import SlotState, check_transition
+from kvcr.runner.board import SlotBoard
 
 _READY = SlotState.READY
 _FILLING = SlotState.FILLING
@@ -62,6 +63,7 @@ class SlotIndex:
         "_depth",
         "_free",
         "_policy_type",
+        "board",
         "detached",
         "entries",
         "lease_cap",
@@ -90,6 +92,7 @@ class SlotIndex:
         self.leased = 0  # pages held by at least one peer lease
         self.lease_cap = lease_cap
         self.peer_cap = peer_cap
+        self.board: SlotBoard | None = None  # same-host peers' view of READY pages (see ``share``)
 
     # ------------------------------------------------------------------ reading
 
@@ -182,6 +185,7 @@ class SlotIndex:
         (position, page) pairs that became READY.
         """
         entries = self.entries
+        board = self.board
         stored: list[tuple[int, str]] = []
         for i, page, entry in fills:
             if entry.state is _DISCARDING:  # cleared while we copied
@@ -190,6 +194,8 @@ class SlotIndex:
             if copied:
                 entry.state = _READY  # FILLING -> READY: only this call fills it
                 stored.append((i, page))
+                if board is not None:
+                    board.publish(entry.slot, page, entry.digest)
             else:
                 if entries.get(page) is entry:
                     del entries[page]
@@ -250,6 +256,8 @@ class SlotIndex:
         if removed:
             del self.entries[page]
             self.policy.remove(page)
+            if self.board is not None:
+                self.board.withdraw(entry.slot)
         if entry.claims == 0:  # the last reader: free the slot, also when an earlier reader marked it DISCARDING
             self._free_slot(entry)
         elif entry.state is not _DISCARDING:
@@ -309,10 +317,19 @@ class SlotIndex:
                 self._free_slot(entry)
         self.leased -= ended
 
+    def share(self, board: SlotBoard) -> None:
+        """Keep ``board`` in step with the index from now on, starting with every READY page."""
+        self.board = board
+        for page, entry in self.entries.items():
+            if entry.state is _READY:
+                board.publish(entry.slot, page, entry.digest)
+
     # ------------------------------------------------------------------ whole pool
 
     def clear(self) -> None:
         """Drop every page; slots still being read or filled come back when that ends."""
+        if self.board is not None:
+            self.board.withdraw_all()
         for entry in self.entries.values():
             if entry.state is _READY and entry.claims == 0:
                 self._free_slot(entry)
@@ -325,6 +342,9 @@ class SlotIndex:
     def forget(self) -> None:
         """Drop the index without touching slots (the runner is closing: nothing reads it again)."""
         self.entries = {}
+        if self.board is not None:
+            self.board.withdraw_all()
+            self.board = None  # its memory is freed next
 
     # ------------------------------------------------------------------ prefix alignment
 
@@ -379,11 +399,14 @@ class SlotIndex:
                 if len(victims) == short:
                     break
         freed = []
+        board = self.board
         for page in victims:
             self.policy.remove(page)
             entry = entries.pop(page)
             entry.state = _FREE  # READY -> FREE, checked by the loop above
             freed.append(entry.slot)
+            if board is not None:
+                board.withdraw(entry.slot)  # before the caller overwrites the slot
         slots.extend(sorted(freed))  # no slot was free: the victims' slots are all there is, lowest first
         return slots, victims
 

@@ -23,10 +23,12 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvcr.domain.board import KEY_BYTES, board_layout
 from kvcr.domain.outcomes import RESTORED, Outcome, PageOutcome, miss
 from kvcr.ports.clock import Clock
 from kvcr.ports.control import ControlChannel
-from kvcr.ports.dataplane import DataPlane
+from kvcr.ports.dataplane import DataPlane, SharedBoards
+from kvcr.ports.errors import TransportError
 from kvcr.ports.memory import HostMemory
 from kvcr.ports.metric_catalogue import FailureReason, Path, Result
 from kvcr.ports.metric_catalogue import MetricName as M
@@ -34,6 +36,7 @@ from kvcr.ports.metrics import Metrics
 from kvcr.runner.peer_links import Link, RemoteLease, SourceLinks, count_miss
 from kvcr.runner.protocol import NONCE_BYTES, Lease, LeaseReply, RefusalCode, Refused
 from kvcr.runner.runner import KvcrRunner
+from kvcr.runner.served_reports import ServedReports
 from kvcr.runner.staging import StagingPool
 from kvcr.runner.transfers import PoolRead, Transfers, Wanted, chunks
 
@@ -115,6 +118,8 @@ class PeerClient:
             link_idle_s=settings.link_idle_s,
         )
         self._transfers = Transfers(runner, self._links, data_plane, memory, clock, metrics, staging, host_ids)
+        self._boards = data_plane if isinstance(data_plane, SharedBoards) else None
+        self._served = ServedReports(self._links.send_served)
 
     def alive(self, lease: RemoteLease) -> bool:
         """Whether a read under ``lease`` could still be accepted."""
@@ -148,6 +153,9 @@ class PeerClient:
             if self._slower_than_recompute(link, asked):
                 count_miss(self._metrics, FailureReason.SLOWER_THAN_RECOMPUTE, sum(len(p) for _, p in asked))
                 return None
+            found = self._from_board(link, asked)
+            if found is not None:
+                return found
             nonce = secrets.token_bytes(NONCE_BYTES)
             session = link.lease_session(sum(len(pages) for _, pages in asked))
             message = Lease(
@@ -209,13 +217,60 @@ class PeerClient:
             return None
         return lease
 
+    def _from_board(self, link: Link, asked: list[tuple[str, list[str]]]) -> RemoteLease | None:
+        """Every asked page found on the source's slot boards, as a lease nothing pins; else None.
+
+        Only for a source whose data plane maps its boards (same host). Partly found is not
+        enough: the LEASE round trip it would still take is the cost the board exists to avoid.
+        """
+        boards = self._boards
+        if boards is None:
+            return None
+        sent_at = self._clock.now()
+        slots: dict[tuple[str, str], int] = {}
+        digests: dict[tuple[str, str], bytes] = {}
+        order: dict[str, tuple[list[str], Sequence[int], Sequence[bytes]]] = {}
+        gens: dict[str, dict[int, int]] = {}
+        for pool, pages in asked:
+            wire = link.pools[pool]
+            if wire.board < 0:
+                return None
+            joined = "".join(pages)
+            try:
+                keys = bytes.fromhex(joined)
+                if len(keys) != KEY_BYTES * len(pages) or keys.hex() != joined:
+                    return None  # not all canonical keys: the source's LEASE answers those
+                hits = boards.board_lookup(link.peer.name, wire.board, board_layout(wire.slots), keys)
+            except (ValueError, TransportError):
+                return None
+            if hits is None or not hits.complete:
+                return None
+            order[pool] = (pages, hits.slots, hits.digests)
+            found = [(pool, page) for page in pages]
+            slots.update(zip(found, hits.slots, strict=True))
+            digests.update(zip(found, hits.digests, strict=True))
+            gens[pool] = dict(zip(hits.slots, hits.gens, strict=True))
+        lease = RemoteLease(link.endpoint, 0, sent_at, self._timing.lease_s, slots, digests, link, board=gens)
+        lease.order = order
+        return lease
+
     def release(self, lease: RemoteLease) -> None:
-        """Tell the source it may let go, one-way (best effort; the lease also expires)."""
+        """Tell the source it may let go, one-way (best effort; the lease also expires).
+
+        A lease found on slot boards pins nothing: the source only hears how many pages it served.
+        """
         if lease.released:
             return
         lease.released = True
-        if lease.link is not None:
-            self._links.send_release(lease.link, lease.lease_id, lease.session)
+        link = lease.link
+        if link is None:
+            return
+        if lease.board is not None:
+            self._served.add(
+                link, [(link.pools[pool].pool_id, len(pages)) for pool, (pages, _, _) in lease.order.items()]
+            )
+            return
+        self._links.send_release(link, lease.lease_id, lease.session)
 
     # ------------------------------------------------------------------ read
 
@@ -324,7 +379,8 @@ class PeerClient:
         return self._transfers.reap()
 
     def close(self) -> None:
-        """Forget every link (their data-plane peers and control connections)."""
+        """Forget every link (their data-plane peers and control connections), after the last SERVED reports."""
+        self._served.close()
         self._links.close()
 
     # ------------------------------------------------------------------ estimates

@@ -86,6 +86,9 @@ class RemoteLease:
     # Per pool, the pages as asked and, in that order, their slots (-1: not granted) and digests:
     # a read of the pages in the order they were leased looks nothing up page by page.
     order: dict[str, tuple[list[str], Sequence[int], Sequence[bytes]]] = field(default_factory=dict)
+    # Found on the source's slot board instead of leased (nothing pinned, nothing to RELEASE): per
+    # pool, each slot's generation as found; a page whose slot moved on during the read is a miss.
+    board: dict[str, dict[int, int]] | None = None
 
     def holds(self, pool: str, page_hash: str) -> bool:
         return (pool, page_hash) in self.slots
@@ -268,6 +271,11 @@ class SourceLinks:
         if session == link.side_session and self._side is not None and self._side.side_send(link.peer.name, payload):
             return
         self._control.send(link.endpoint, payload)
+
+    def send_served(self, link: Link, pages: list[tuple[int, int]]) -> None:
+        """SERVED over the side link, one-way: (pool id, pages) taken from the source's boards."""
+        if link.side_session and self._side is not None:
+            self._side.side_send(link.peer.name, protocol.encode(protocol.Served(link.side_session, pages)))
 
     def newer(self, link: Link) -> Link | None:
         """The link of a newer incarnation that answered HELLO at ``link``'s endpoint since, if any."""

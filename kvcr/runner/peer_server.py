@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 
 from kvcr.domain.layout import PieceRun
 from kvcr.ports.control import node_of
-from kvcr.ports.dataplane import DataPlane, GuardedReads, PeerActivity, SideChannel
+from kvcr.ports.dataplane import DataPlane, GuardedReads, PeerActivity, SharedBoards, SideChannel
 from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metric_catalogue import RefusalReason
 from kvcr.ports.metrics import Metrics
 from kvcr.runner import protocol
+from kvcr.runner.board import shares_boards
 from kvcr.runner.protocol import (
     MAX_LEASE_MS,
     MAX_LEASE_PAGES,
@@ -46,6 +47,7 @@ from kvcr.runner.protocol import (
     RefusalCode,
     Refused,
     Release,
+    Served,
 )
 from kvcr.runner.runner import KvcrRunner
 
@@ -114,13 +116,15 @@ class PeerServer:
         self._last_log = 0.0
         self._hello_nonces: OrderedDict[bytes, None] = OrderedDict()
         arenas = runner.pool_arenas()
+        boards = _share_boards(runner, data_plane)
         self._pools: list[PoolWire] = []
         self._region_pool: dict[int, str] = {}
         for pool_id, (name, regions) in enumerate(sorted(arenas.items())):
             ids = list(arena_ids[name])
             namespace = runner.namespaces[name]
             pieces = [r.piece_bytes for r in regions]
-            self._pools.append(PoolWire(pool_id, name, namespace, ids, pieces, regions[0].count))
+            board = boards.get(name, -1)
+            self._pools.append(PoolWire(pool_id, name, namespace, ids, pieces, regions[0].count, board))
             self._region_pool.update(dict.fromkeys(ids, name))
         self._activity = data_plane if isinstance(data_plane, PeerActivity) else None
         if isinstance(data_plane, GuardedReads):
@@ -145,6 +149,9 @@ class PeerServer:
         try:
             if isinstance(request, Release):
                 self._release(request, connection)
+                return None
+            if isinstance(request, Served):
+                self._served(request, connection)
                 return None
             if isinstance(request, Hello):
                 return protocol.encode(self._hello(request, connection))
@@ -254,6 +261,17 @@ class PeerServer:
         for lease_id in ids:
             self._runner.release_lease(lease_id)
 
+    def _served(self, request: Served, connection: bytes) -> None:
+        """Count pages a same-host peer took from a slot board (only its own session's, only our pools)."""
+        with self._lock:
+            session = self._sessions.get(request.session)
+            if session is None or session.connection != connection:
+                return
+            pools = [(session.pools.get(pool_id), pages) for pool_id, pages in request.pages[:MAX_POOLS]]
+        for name, pages in pools:
+            if name is not None:
+                self._runner.count_board_reads(name, pages)
+
     # ------------------------------------------------------------------ helpers
 
     def _covered(self, lease_id: int, runs: Sequence[PieceRun]) -> bool:
@@ -299,6 +317,13 @@ class PeerServer:
 
     def _refuse(self, nonce: bytes, code: RefusalCode) -> bytes:
         return protocol.encode(self._refusal(nonce, code))
+
+
+def _share_boards(runner: KvcrRunner, data_plane: DataPlane) -> dict[str, int]:
+    """Per pool, the data-plane id of its slot board, when the plane lets same-host peers map one."""
+    if not isinstance(data_plane, SharedBoards) or not shares_boards():
+        return {}
+    return {pool: data_plane.share_board(region) for pool, region in runner.share_boards().items()}
 
 
 def _holder(connection: bytes) -> int:

@@ -8,6 +8,10 @@ its reply echoes, so a reply can never answer another request; the source refuse
 seen before (a replayed frame gets nothing); and a lease request names the session its HELLO
 opened, so namespaces are compared once per link, not per page.
 
+A source on the target's host may also offer each pool's *slot board* (``PoolWire.board``,
+``kvcr.domain.board``): the target then finds pages there and skips LEASE and RELEASE; it reports
+what it took with SERVED so the source still counts it.
+
     target                                           source
       HELLO(nonce, sender, incarnation,
             {pool: namespace digest})         ->     HELLO_REPLY(nonce, session, incarnation,
@@ -17,6 +21,8 @@ opened, so namespaces are compared once per link, not per page.
                                                        per pool: slot or -1, digest)
       (data-plane READ of the granted slots; the source takes no part on one-sided transports)
       RELEASE(session, [lease id ...])        ->     (one-way: nothing comes back)
+      SERVED(session, [(pool id, pages) ...]) ->     (one-way: pages a same-host target found on
+                                                       the pool's slot board instead of leasing)
     any request                               ->     REFUSED(nonce, code) on version, session,
                                                        namespace, size, range or shutdown
 """
@@ -61,6 +67,7 @@ class PoolWire(msgspec.Struct, array_like=True, frozen=True):
     regions: list[int]
     pieces: list[int]
     slots: int
+    board: int = -1  # region id of its slot board for same-host peers (-1: none; older sources send none)
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True, frozen=True):
@@ -99,12 +106,20 @@ class Release(msgspec.Struct, tag="release", array_like=True, frozen=True):
     lease_ids: list[int]
 
 
+class Served(msgspec.Struct, tag="served", array_like=True, frozen=True):
+    """One-way, target to source: pages it took from the source's slot board without a LEASE (for the
+    source's ``served`` count; sent only to sources whose HELLO offered a board)."""
+
+    session: int
+    pages: list[tuple[int, int]]  # (pool id, pages)
+
+
 class Refused(msgspec.Struct, tag="refused", array_like=True, frozen=True):
     nonce: bytes
     code: int
 
 
-Message = Hello | HelloReply | Lease | LeaseReply | Release | Refused
+Message = Hello | HelloReply | Lease | LeaseReply | Release | Served | Refused
 
 _encoder = msgspec.msgpack.Encoder()
 _body_decoder = msgspec.msgpack.Decoder(Message)

@@ -172,6 +172,30 @@ class KvcrRunner:
         """Arena regions per physical pool, components in order."""
         return {name: p.arena.regions for name, p in self._pools.items() if p.arena}
 
+    def share_boards(self) -> dict[str, RegionDescriptor]:
+        """Give every physical pool a slot board kept in step with its index; returns each board's region.
+
+        Called once, by a source whose data plane lets same-host peers map the boards (they find
+        pages there without a LEASE). Idempotent per pool.
+        """
+        regions: dict[str, RegionDescriptor] = {}
+        with self._guard.lock:
+            self._guard.check_open()
+            for name, state in self._pools.items():
+                if state.arena is None:
+                    continue
+                board, region = state.arena.share_board()
+                if state.index.board is None:
+                    state.index.share(board)
+                regions[name] = region
+        return regions
+
+    def count_board_reads(self, pool: str, pages: int) -> None:
+        """A same-host peer took ``pages`` of ``pool`` from its slot board: served, as if leased."""
+        state = self._pools.get(pool)
+        if state is not None and 0 < pages <= state.index.slots:
+            self._account.served(pages, pages * state.spec.page_bytes)
+
     def pool_host_regions(self, pool: str) -> tuple[RegionDescriptor, ...]:
         """The registered host regions of ``pool`` (LayoutError when none)."""
         return self._physical(pool).host_regions()

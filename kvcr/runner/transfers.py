@@ -16,13 +16,14 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvcr.domain.board import board_layout
 from kvcr.domain.deadlines import Timing
 from kvcr.domain.layout import PieceRun, slot_runs
 from kvcr.domain.outcomes import RESTORED, PageOutcome, failed, miss, uncertain
 from kvcr.domain.pools import PoolSpec
 from kvcr.domain.residency import lease_accepts
 from kvcr.ports.clock import Clock
-from kvcr.ports.dataplane import DataPlane, TransferState
+from kvcr.ports.dataplane import DataPlane, SharedBoards, TransferState
 from kvcr.ports.errors import TransportError
 from kvcr.ports.memory import HostMemory, Move
 from kvcr.ports.metric_catalogue import FailureReason, Path
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 _CORRUPT = failed("bytes differ from the source's digest")
 _UNSIGNED = failed("the source sent no digest for the page (verify_bytes off there?)")
 _OTHER_DIGEST = failed("the source digests pages with another page_digest")
+_MOVED = miss("the source reused the slot during the read")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +137,7 @@ class Transfers:
         self._runner = runner
         self._links = links
         self._data_plane = data_plane
+        self._boards = data_plane if isinstance(data_plane, SharedBoards) else None
         self._memory = memory
         self._clock = clock
         self._metrics = metrics
@@ -216,10 +219,11 @@ class Transfers:
             return [verdict] * total, False
         page_bytes = self._page_bytes
         link.learn_rate(sum(page_bytes[part.pool] * len(part) for part in chunk), self._clock.now() - started)
+        moved = self._moved(lease, link, chunk) if lease.board is not None else None
         if not link.staged:
-            return self._checked(lease, chunk, None), True
+            return self._checked(lease, chunk, None, moved), True
         try:
-            return self._land_staged(chunk, buffers, staged_at, lease), True
+            return self._land_staged(chunk, buffers, staged_at, lease, moved), True
         finally:
             for buffer in buffers.values():
                 self._staging.give_back(buffer)
@@ -235,11 +239,37 @@ class Transfers:
             used[part.pool] = first + len(part)
         return firsts
 
+    def _moved(self, lease: RemoteLease, link: Link, chunk: list[Wanted]) -> list[bool]:
+        """Per page of a chunk found on slot boards: whether its slot moved on (evicted, refilled) since."""
+        board = lease.board
+        boards = self._boards
+        assert board is not None
+        moved: list[bool] = []
+        for part in chunk:
+            wire = link.pools[part.pool]
+            gens = board[part.pool]
+            src = list(part.src_slots)
+            still = None
+            if boards is not None:
+                try:
+                    still = boards.board_still(
+                        link.peer.name, wire.board, board_layout(wire.slots), src, [gens[s] for s in src]
+                    )
+                except (ValueError, TransportError):
+                    still = None
+            moved.extend([True] * len(src) if still is None else [not same for same in still])
+        return moved
+
     def _land_staged(
-        self, chunk: list[Wanted], buffers: dict[str, StagingBuffer], staged_at: list[int], lease: RemoteLease
+        self,
+        chunk: list[Wanted],
+        buffers: dict[str, StagingBuffer],
+        staged_at: list[int],
+        lease: RemoteLease,
+        moved: list[bool] | None,
     ) -> list[PageOutcome]:
         """Verify staged pages, then copy the good ones into their host pages."""
-        outcomes = self._checked(lease, chunk, (buffers, staged_at))
+        outcomes = self._checked(lease, chunk, (buffers, staged_at), moved)
         moves: list[Move] = []
         at = 0
         for part, first in zip(chunk, staged_at, strict=True):
@@ -265,19 +295,28 @@ class Transfers:
         lease: RemoteLease,
         chunk: list[Wanted],
         staged: tuple[dict[str, StagingBuffer], list[int]] | None,
+        moved: list[bool] | None = None,
     ) -> list[PageOutcome]:
-        """RESTORED per page, unless its delivered bytes differ from the source's digest for that key."""
+        """RESTORED per page, unless its slot ``moved`` during the read (a miss) or its delivered bytes
+        differ from the source's digest for that key."""
         total = sum(len(part) for part in chunk)
         if not self._verify:
-            return [RESTORED] * total
+            if moved is None or not any(moved):
+                return [RESTORED] * total
+            return [_MOVED if m else RESTORED for m in moved]
         outcomes: list[PageOutcome] = []
         bad = unsigned = other = 0
         expected_bytes = actual_bytes = 0
         runner = self._runner
+        at = 0
         for n, part in enumerate(chunk):
             pool = part.pool
             given = zip(part.pages, part.host_slots, part.digests, strict=True)
             for k, (page, host_slot, expected) in enumerate(given):
+                at += 1
+                if moved is not None and moved[at - 1]:
+                    outcomes.append(_MOVED)
+                    continue
                 if not expected:  # fail closed: a page nobody vouches for is not served
                     unsigned += 1
                     outcomes.append(_UNSIGNED)

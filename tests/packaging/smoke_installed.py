@@ -36,9 +36,10 @@ def installed_from_the_wheel() -> str:
     assert direct_url is None or '"editable": true' not in direct_url
     from kvcr.adapters.shm import dataplane
 
-    # built where a C compiler is (CI's machines): the optional extension must be in the wheel
+    # built where a C compiler is (CI's machines): the optional extensions must be in the wheel
     assert dataplane._stream_copy is not None, "the wheel lacks kvcr.adapters.shm._stream (streaming copies)"
-    return f"kvcr-runner {dist.version} from {where.parent}, with its streaming-copy extension"
+    assert dataplane._board_reader is not None, "the wheel lacks kvcr.adapters.shm._board (slot-board reads)"
+    return f"kvcr-runner {dist.version} from {where.parent}, with its streaming-copy and slot-board extensions"
 
 
 def compat_finds_a_supported_environment() -> str:

@@ -20,6 +20,9 @@ How the port maps onto shared memory:
   ``STREAM_MIN_BYTES`` copies with streaming stores (``_stream``, a small C extension) when that
   was built, else with memmove.
 - ``disconnect`` unmaps a peer once no read of it is copying.
+- Slot boards (``SharedBoards``): a source shares each pool's board as one more exposed region;
+  a target looks keys up in a peer's mapped board and re-checks their generations after the copy
+  (``_board``, a small C extension; without it there are no board reads and every page is leased).
 - Side links (``SideChannel``): the grant's connection also carries control frames. The source's
   broker answers them with the peer server's handler (``serve_side``); the target's
   ``side_request`` is a send and a wait on that socket, a UNIX-socket round trip instead of a
@@ -40,11 +43,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 from kvcr.adapters.shm import wire
 from kvcr.adapters.shm.broker import Broker
 from kvcr.adapters.shm.host import HostIdentity, this_host
 from kvcr.adapters.shm.wire import Description, Grant, RegionWire
+from kvcr.domain.board import BoardHits, BoardLayout
 from kvcr.domain.layout import PieceRun, RegionDescriptor
 from kvcr.ports.control import ConnectionHandler
 from kvcr.ports.dataplane import SIDE_FRAME_BYTES, PeerInfo, TransferState
@@ -71,7 +76,17 @@ def _load_stream_copy() -> Callable[[int, int, int], object] | None:
     return copy
 
 
+def _load_board() -> ModuleType | None:
+    """The board reader, built from ``_board.c`` at install when a C compiler was there; else None."""
+    try:
+        from kvcr.adapters.shm import _board
+    except ImportError:  # not built: same-host peers lease every page with a round trip
+        return None
+    return _board
+
+
 _stream_copy = _load_stream_copy()
+_board_reader = _load_board()
 STREAM_MIN_BYTES = 64 << 20
 """A read copying at least this much streams its copies past the cache (see ``_copier``)."""
 
@@ -301,6 +316,48 @@ class ShmDataPlane:
             peer.users -= 1
             if peer.closing and not peer.users:
                 _unmap(peer)
+
+    # ------------------------------------------------------------------ slot boards
+
+    def share_board(self, region: RegionDescriptor) -> int:
+        return self.register([region], exposed=True)[0]
+
+    def board_lookup(self, peer: str, region: int, layout: BoardLayout, keys: bytes) -> BoardHits | None:
+        found = self._board_of(peer, region, layout)
+        if found is None:
+            return None
+        known, address = found
+        try:
+            slots, gens, digests = _board_reader.lookup(address, layout.as_tuple(), keys)  # type: ignore[union-attr]
+        finally:
+            self._done_with(known)
+        return BoardHits(slots, gens, digests)
+
+    def board_still(
+        self, peer: str, region: int, layout: BoardLayout, slots: list[int], gens: list[int]
+    ) -> list[bool] | None:
+        found = self._board_of(peer, region, layout)
+        if found is None:
+            return None
+        known, address = found
+        try:
+            return _board_reader.still(address, layout.as_tuple(), slots, gens)  # type: ignore[union-attr,no-any-return]
+        finally:
+            self._done_with(known)
+
+    def _board_of(self, peer: str, region: int, layout: BoardLayout) -> tuple[_Peer, int] | None:
+        """The peer (held: release with ``_done_with``) and its board's address, if it is mapped and large enough."""
+        if _board_reader is None:
+            return None
+        with self._lock:
+            known = self._peers.get(peer)
+            if self._closed or known is None or known.closing:
+                return None
+            found = known.regions.get(region)
+            if found is None or found[1].count != 1 or found[1].span < layout.nbytes:
+                return None
+            known.users += 1
+            return known, found[0]
 
     # ------------------------------------------------------------------ side links
 

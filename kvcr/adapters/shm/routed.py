@@ -16,9 +16,18 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvcr.domain.board import BoardHits, BoardLayout
 from kvcr.domain.layout import PieceRun, RegionDescriptor
 from kvcr.ports.control import ConnectionHandler
-from kvcr.ports.dataplane import DataPlane, GuardedReads, PeerInfo, ReadGuard, SideChannel, TransferState
+from kvcr.ports.dataplane import (
+    DataPlane,
+    GuardedReads,
+    PeerInfo,
+    ReadGuard,
+    SharedBoards,
+    SideChannel,
+    TransferState,
+)
 from kvcr.ports.errors import PeerUnavailable, TransportError
 
 log = logging.getLogger(__name__)
@@ -100,7 +109,37 @@ class SameHostFirst:
         with self._lock:
             known = [self._regions.pop(i) for i in ids if i in self._regions]
         self._shm.deregister([s for s, _, _ in known])
-        self._fallback.deregister([f for _, f, _ in known])
+        self._fallback.deregister([f for _, f, _ in known if f >= 0])
+
+    # ------------------------------------------------------------------ slot boards
+
+    def share_board(self, region: RegionDescriptor) -> int:
+        """A board goes to the shm plane only: a peer on another host has no use for it (-1: no fallback id)."""
+        if not isinstance(self._shm, SharedBoards):
+            raise TransportError("the same-host plane shares no slot boards")
+        inner = self._shm.share_board(region)
+        with self._lock:
+            mine = next(self._ids)
+            self._regions[mine] = (inner, -1, True)
+        return mine
+
+    def _boards(self, peer: str, region: int) -> tuple[SharedBoards, int] | None:
+        with self._lock:
+            route = self._routes.get(peer)
+        if route is None or route.plane is not self._shm or not isinstance(self._shm, SharedBoards):
+            return None
+        inner = route.ids.get(region)
+        return (self._shm, inner) if inner is not None else None
+
+    def board_lookup(self, peer: str, region: int, layout: BoardLayout, keys: bytes) -> BoardHits | None:
+        found = self._boards(peer, region)
+        return found[0].board_lookup(peer, found[1], layout, keys) if found is not None else None
+
+    def board_still(
+        self, peer: str, region: int, layout: BoardLayout, slots: list[int], gens: list[int]
+    ) -> list[bool] | None:
+        found = self._boards(peer, region)
+        return found[0].board_still(peer, found[1], layout, slots, gens) if found is not None else None
 
     def describe(self) -> bytes:
         shm, fallback = self._shm.describe(), self._fallback.describe()
@@ -189,7 +228,7 @@ class SameHostFirst:
 
         def in_our_ids(lease: int, runs: Sequence[PieceRun]) -> bool:
             with self._lock:
-                ours = {f: mine for mine, (_, f, _) in self._regions.items()}
+                ours = {f: mine for mine, (_, f, _) in self._regions.items() if f >= 0}
             if any(run.src not in ours for run in runs):
                 return False
             return allowed(lease, [PieceRun(ours[r.src], r.src_first, r.dst, r.dst_first, r.count) for r in runs])
