@@ -89,10 +89,11 @@ def tables(results: BenchSet, figure: str | None) -> str:
             f"**Peer restore** (`kvcr bench remote --transport {over}`): the source replica runs in another "
             f"process.{marked} "
             '"raw" is a bare NIXL agent reading the very same pieces with prepared lists; "read" is kvcr\'s '
-            'leased read (what the SGLang backend does at prefetch time); "restore" is LEASE + READ + RELEASE. '
-            "The last column is a bare pyzmq round trip to the source's control server (a LEASE-sized request it "
-            "refuses at its first check) and raw / (raw + that round trip): the most any restore with one control "
-            "round trip before its read can reach."
+            'leased read (what the SGLang backend does at prefetch time); "restore" is LEASE + READ + RELEASE '
+            "(on (shm) rows: a lookup on the source's slot board, the read and a generation check, with no "
+            "control round trip). The last column is a bare pyzmq round trip to the source's control server (a "
+            "LEASE-sized request it refuses at its first check) and raw / (raw + that round trip): the most any "
+            "restore with one control round trip before its read can reach."
         )
         parts.append(remote_table(results.remote))
     if results.local:

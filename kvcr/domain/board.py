@@ -19,7 +19,6 @@ the copy is a miss, never wrong bytes. The layout below is the wire format betwe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 MAGIC = b"kvcrbd01"
 KEY_BYTES = 32
@@ -51,11 +50,8 @@ class BoardLayout:
         return (self.slots, self.buckets, self.gens, self.keys, self.digests, self.lengths, self.table, self.nbytes)
 
 
-@lru_cache(maxsize=64)
 def board_layout(slots: int) -> BoardLayout:
     """The layout of a board for ``slots`` slots: a power-of-two hint table at least twice as large.
-
-    Cached: a target computes it for every lookup of a peer's board.
 
     Raises:
         ValueError: ``slots`` is not positive or does not fit a u32 hint.

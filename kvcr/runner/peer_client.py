@@ -23,7 +23,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvcr.domain.board import KEY_BYTES, board_layout
+from kvcr.domain.board import KEY_BYTES
 from kvcr.domain.outcomes import RESTORED, Outcome, PageOutcome, miss
 from kvcr.ports.clock import Clock
 from kvcr.ports.control import ControlChannel
@@ -33,7 +33,7 @@ from kvcr.ports.memory import HostMemory
 from kvcr.ports.metric_catalogue import FailureReason, Path, Result
 from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metrics import Metrics
-from kvcr.runner.peer_links import Link, RemoteLease, SourceLinks, count_miss
+from kvcr.runner.peer_links import Link, RemoteLease, SourceLinks, board_layout_of, count_miss
 from kvcr.runner.protocol import NONCE_BYTES, Lease, LeaseReply, RefusalCode, Refused
 from kvcr.runner.runner import KvcrRunner
 from kvcr.runner.served_reports import ServedReports
@@ -240,7 +240,7 @@ class PeerClient:
                 keys = bytes.fromhex(joined)
                 if len(keys) != KEY_BYTES * len(pages) or keys.hex() != joined:
                     return None  # not all canonical keys: the source's LEASE answers those
-                hits = boards.board_lookup(link.peer.name, wire.board, board_layout(wire.slots), keys)
+                hits = boards.board_lookup(link.peer.name, wire.board, board_layout_of(wire.slots), keys)
             except (ValueError, TransportError):
                 return None
             if hits is None or not hits.complete:

@@ -19,6 +19,7 @@ a CURVE one. Anything that fails on the side link fails the way the control chan
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import secrets
 import threading
@@ -26,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvcr.domain.board import BoardLayout, board_layout
 from kvcr.domain.deadlines import Timing
 from kvcr.domain.pools import PoolSpec
 from kvcr.ports.clock import Clock
@@ -105,6 +107,12 @@ class RemoteLease:
     def usable_until(self, margin_s: float) -> float:
         """The last moment (our clock) a read under this lease may finish."""
         return self.sent_at + self.ttl_s - margin_s
+
+
+@functools.lru_cache(maxsize=64)
+def board_layout_of(slots: int) -> BoardLayout:
+    """The layout of a source's board of ``slots`` slots, computed once per size (every board read needs it)."""
+    return board_layout(slots)
 
 
 def count_failure(metrics: Metrics, reason: FailureReason) -> None:

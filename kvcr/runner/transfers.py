@@ -16,7 +16,6 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvcr.domain.board import board_layout
 from kvcr.domain.deadlines import Timing
 from kvcr.domain.layout import PieceRun, slot_runs
 from kvcr.domain.outcomes import RESTORED, PageOutcome, failed, miss, uncertain
@@ -29,7 +28,7 @@ from kvcr.ports.memory import HostMemory, Move
 from kvcr.ports.metric_catalogue import FailureReason, Path
 from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metrics import Metrics
-from kvcr.runner.peer_links import Link, RemoteLease, SourceLinks, count_failure, count_miss
+from kvcr.runner.peer_links import Link, RemoteLease, SourceLinks, board_layout_of, count_failure, count_miss
 from kvcr.runner.runner import KvcrRunner
 from kvcr.runner.staging import StagingBuffer, StagingPool
 
@@ -253,7 +252,7 @@ class Transfers:
             if boards is not None:
                 try:
                     still = boards.board_still(
-                        link.peer.name, wire.board, board_layout(wire.slots), src, [gens[s] for s in src]
+                        link.peer.name, wire.board, board_layout_of(wire.slots), src, [gens[s] for s in src]
                     )
                 except (ValueError, TransportError):
                     still = None

@@ -12,7 +12,7 @@ import itertools
 import pytest
 
 from kvcr.adapters.shm import _board  # built by the editable install: CI fails here, not skips, without it
-from kvcr.domain.board import DIGEST_BYTES, KEY_BYTES, MAGIC, PROBES, BoardLayout, board_layout, home_bucket
+from kvcr.domain.board import DIGEST_BYTES, KEY_BYTES, MAGIC, PROBES, BoardHits, BoardLayout, board_layout, home_bucket
 from kvcr.runner.board import SlotBoard
 
 
@@ -58,6 +58,33 @@ def test_a_layout_has_a_power_of_two_table_twice_the_slots_and_its_arrays_do_not
     assert layout.gens % 8 == 0 and layout.table % 4 == 0
 
 
+@pytest.mark.parametrize(
+    ("slots", "expected"),
+    [
+        # the layout is the wire format between peers: (slots, buckets, gens, keys, digests, lengths, table, nbytes)
+        (1, (1, 8, 64, 128, 192, 256, 320, 384)),
+        (8, (8, 16, 64, 128, 384, 640, 704, 768)),
+        (9, (9, 32, 64, 192, 512, 832, 896, 1024)),
+        (1000, (1000, 2048, 64, 8064, 40064, 72064, 73088, 81280)),
+    ],
+)
+def test_a_layout_is_exactly_the_wire_format_peers_agree_on(slots, expected):
+    assert board_layout(slots).as_tuple() == expected
+
+
+def test_hits_are_complete_only_when_every_key_was_found():
+    assert BoardHits([3, 0], [2, 4], [b"", b""]).complete
+    assert not BoardHits([3, -1], [2, 0], [b"", b""]).complete
+    assert BoardHits([], [], []).complete
+
+
+def test_a_home_bucket_is_the_keys_first_eight_bytes_little_endian_within_the_table():
+    key = bytes(range(32))
+    assert home_bucket(key, 1 << 64) == int.from_bytes(bytes(range(8)), "little")
+    assert home_bucket(key, 16) == 0x00 & 15
+    assert home_bucket(bytes([0xFE, 0x01, *range(30)]), 256) == 0xFE
+
+
 @pytest.mark.parametrize("slots", [0, -1, 0xFFFFFFFF])
 def test_a_layout_for_no_slots_or_more_than_a_hint_can_name_is_refused(slots):
     with pytest.raises(ValueError, match="slot board"):
@@ -73,7 +100,7 @@ def test_a_published_page_is_found_with_its_slot_generation_and_digest_and_other
     assert gens[0] % 2 == 0 and gens[0] > 0 and gens[2] % 2 == 0
     assert digests == [b"d" * 16, b"", b""]
     assert board.still([5, 9], [gens[0], gens[2]]) == [True, True]
-    assert bytes(board.memory[: len(MAGIC)]) == MAGIC
+    assert bytes(board.memory[: len(MAGIC)]) == MAGIC == b"kvcrbd01"
 
 
 def test_a_withdrawn_slot_is_not_found_and_a_reader_that_found_it_before_sees_it_moved():

@@ -346,7 +346,7 @@ class ShmDataPlane:
             self._done_with(known)
 
     def _board_of(self, peer: str, region: int, layout: BoardLayout) -> tuple[_Peer, int] | None:
-        """The peer (held: release with ``_done_with``) and its board's address, if it is mapped and large enough."""
+        """The peer (held: release with ``_done_with``) and its board's address, if it is alive, mapped and large enough."""
         if _board_reader is None:
             return None
         with self._lock:
@@ -355,6 +355,10 @@ class ShmDataPlane:
                 return None
             found = known.regions.get(region)
             if found is None or found[1].count != 1 or found[1].span < layout.nbytes:
+                return None
+            # A dead source's board still reads back (we hold the mapping) but it serves nothing more:
+            # no board answer, so the caller's LEASE fails and drops the link, as for any dead peer.
+            if not self._alive(known):
                 return None
             known.users += 1
             return known, found[0]
