@@ -346,7 +346,7 @@ class ShmDataPlane:
             self._done_with(known)
 
     def _board_of(self, peer: str, region: int, layout: BoardLayout) -> tuple[_Peer, int] | None:
-        """The peer (held: release with ``_done_with``) and its board's address, if it is alive, mapped and large enough."""
+        """The peer (held: release with ``_done_with``) and its board's address: if alive, mapped and large enough."""
         if _board_reader is None:
             return None
         with self._lock:
