@@ -230,7 +230,7 @@ class PeerClient:
         slots: dict[tuple[str, str], int] = {}
         digests: dict[tuple[str, str], bytes] = {}
         order: dict[str, tuple[list[str], Sequence[int], Sequence[bytes]]] = {}
-        gens: dict[str, dict[int, int]] = {}
+        gens: dict[str, tuple[Sequence[int], Sequence[int]]] = {}
         for pool, pages in asked:
             wire = link.pools[pool]
             if wire.board < 0:
@@ -249,7 +249,7 @@ class PeerClient:
             found = [(pool, page) for page in pages]
             slots.update(zip(found, hits.slots, strict=True))
             digests.update(zip(found, hits.digests, strict=True))
-            gens[pool] = dict(zip(hits.slots, hits.gens, strict=True))
+            gens[pool] = (hits.slots, hits.gens)
         lease = RemoteLease(link.endpoint, 0, sent_at, self._timing.lease_s, slots, digests, link, board=gens)
         lease.order = order
         return lease

@@ -89,8 +89,9 @@ class RemoteLease:
     # a read of the pages in the order they were leased looks nothing up page by page.
     order: dict[str, tuple[list[str], Sequence[int], Sequence[bytes]]] = field(default_factory=dict)
     # Found on the source's slot board instead of leased (nothing pinned, nothing to RELEASE): per
-    # pool, each slot's generation as found; a page whose slot moved on during the read is a miss.
-    board: dict[str, dict[int, int]] | None = None
+    # pool, the slots as found (``order``'s) and their generations; a page whose slot moved on
+    # during the read is a miss.
+    board: dict[str, tuple[Sequence[int], Sequence[int]]] | None = None
 
     def holds(self, pool: str, page_hash: str) -> bool:
         return (pool, page_hash) in self.slots

@@ -246,14 +246,15 @@ class Transfers:
         moved: list[bool] = []
         for part in chunk:
             wire = link.pools[part.pool]
-            gens = board[part.pool]
+            found, gens = board[part.pool]
             src = list(part.src_slots)
+            if part.src_slots is not found:  # not the pages in the order they were found: by slot
+                by_slot = dict(zip(found, gens, strict=True))
+                gens = [by_slot[slot] for slot in src]
             still = None
             if boards is not None:
                 try:
-                    still = boards.board_still(
-                        link.peer.name, wire.board, board_layout_of(wire.slots), src, [gens[s] for s in src]
-                    )
+                    still = boards.board_still(link.peer.name, wire.board, board_layout_of(wire.slots), src, list(gens))
                 except (ValueError, TransportError):
                     still = None
             moved.extend([True] * len(src) if still is None else [not same for same in still])

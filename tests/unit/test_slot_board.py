@@ -81,13 +81,14 @@ def test_hits_are_complete_only_when_every_key_was_found():
 def test_a_home_bucket_is_the_keys_first_eight_bytes_little_endian_within_the_table():
     key = bytes(range(32))
     assert home_bucket(key, 1 << 64) == int.from_bytes(bytes(range(8)), "little")
+    assert home_bucket(key, 1 << 72) == int.from_bytes(bytes(range(8)), "little")  # 8 bytes, not more
     assert home_bucket(key, 16) == 0x00 & 15
     assert home_bucket(bytes([0xFE, 0x01, *range(30)]), 256) == 0xFE
 
 
 @pytest.mark.parametrize("slots", [0, -1, 0xFFFFFFFF])
 def test_a_layout_for_no_slots_or_more_than_a_hint_can_name_is_refused(slots):
-    with pytest.raises(ValueError, match="slot board"):
+    with pytest.raises(ValueError, match=rf"a slot board needs 1\.\.4294967294 slots, got {slots}$"):
         board_layout(slots)
 
 

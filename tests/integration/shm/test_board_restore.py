@@ -115,9 +115,12 @@ def test_a_slot_reused_between_the_lookup_and_the_copy_is_a_miss_not_wrong_bytes
     a.seed(newer, first_slot=10)
     evicted = [not held for held in a.node.runner.exists("kv", keys)]
     assert sum(evicted) == 4
-    read = b.node.client.read(lease, [PoolRead("kv", keys, list(range(8)))])
+    # Read in another order than found (each page's generation is then looked up by its slot).
+    order = [7, 0, 6, 1, 5, 2, 4, 3]
+    read = b.node.client.read(lease, [PoolRead("kv", [keys[k] for k in order], order)])
     b.node.client.release(lease)
-    for i, (key, gone, outcome) in enumerate(zip(keys, evicted, read["kv"], strict=True)):
+    for k, outcome in zip(order, read["kv"], strict=True):
+        i, key, gone = k, keys[k], evicted[k]
         if gone:
             assert outcome.outcome is Outcome.MISS and "reused the slot" in outcome.reason
         else:
