@@ -113,8 +113,9 @@ def tables(results: BenchSet, figure: str | None) -> str:
         parts.append(
             "Hinted remote restore through the same calls: replica A is another process with kvcr as its SGLang "
             "backend; replica B gets the hint, answers `batch_exists` (which leases) and `batch_get_v1` (which "
-            "reads). Rows marked (auto) run `transport: auto` on both replicas, which on one host reads over shm; "
-            'the others NIXL. "raw" is a bare NIXL agent reading the same pieces into the same slots.'
+            "reads). Rows marked (auto) run `transport: auto` on both replicas, which on one host reads over shm "
+            '(and finds the pages on A\'s slot board instead of leasing them); the others NIXL. "raw" is a bare '
+            "NIXL agent reading the same pieces into the same slots."
         )
         parts.append(sglang_remote_table(results.sglang_remote))
     return "\n\n".join(parts) + "\n"

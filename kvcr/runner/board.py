@@ -40,8 +40,14 @@ class SlotBoard:
         self._hinted: dict[int, int] = {}  # published slot -> its hint's bucket (-1: published, not hinted)
 
     def publish(self, slot: int, page: str, digest: bytes) -> None:
-        """``slot`` now holds ``page`` (a checked 64-hex key) with ``digest``: make it findable."""
+        """``slot`` now holds ``page`` (a checked 64-hex key) with ``digest``: make it findable.
+
+        A digest longer than a board's digest field is not published (cut short it would fail every
+        reader's check): such a page is leased the usual way.
+        """
         self.withdraw(slot)
+        if len(digest) > DIGEST_BYTES:
+            return
         key = bytes.fromhex(page)
         gens = self._gens
         gen = gens[slot]
@@ -50,10 +56,9 @@ class SlotBoard:
             gens[slot] = gen  # odd: key and digest change now
         at = slot * KEY_BYTES
         self._keys[at : at + KEY_BYTES] = key
-        length = min(len(digest), DIGEST_BYTES)
         at = slot * DIGEST_BYTES
-        self._digests[at : at + length] = digest[:length]
-        self._lengths[slot] = length
+        self._digests[at : at + len(digest)] = digest
+        self._lengths[slot] = len(digest)
         gens[slot] = gen + 1  # even: published
         table, mask = self._table, self._buckets - 1
         home = home_bucket(key, self._buckets)

@@ -104,6 +104,14 @@ def test_a_published_page_is_found_with_its_slot_generation_and_digest_and_other
     assert bytes(board.memory[: len(MAGIC)]) == MAGIC == b"kvcrbd01"
 
 
+def test_a_digest_longer_than_the_field_is_not_published_and_the_slot_keeps_nothing_stale():
+    board = Board(8)
+    board.writer.publish(2, key(1), b"a" * DIGEST_BYTES)
+    board.writer.publish(2, key(2), b"b" * (DIGEST_BYTES + 1))  # the slot's new page: too long a digest
+    assert board.find(key(1), key(2))[0] == [-1, -1]
+    assert board.writer.published == 0
+
+
 def test_a_withdrawn_slot_is_not_found_and_a_reader_that_found_it_before_sees_it_moved():
     board = Board(8)
     board.writer.publish(3, key(1), b"x" * 32)
