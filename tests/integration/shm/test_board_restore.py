@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvcr.adapters.local import MmapHostMemory
+from kvcr.adapters.shm import ShmDataPlane
 from kvcr.container import build_container
 from kvcr.domain.deadlines import Timing
 from kvcr.domain.outcomes import Outcome
@@ -53,7 +54,9 @@ class Node:
 
     @property
     def side_requests(self) -> int:
-        return self.node.data_plane.side_requests
+        plane = self.node.data_plane
+        assert isinstance(plane, ShmDataPlane)
+        return plane.side_requests
 
     def close(self) -> None:
         self.node.close()
