@@ -308,13 +308,11 @@ class Transfers:
         bad = unsigned = other = 0
         expected_bytes = actual_bytes = 0
         runner = self._runner
-        at = 0
         for n, part in enumerate(chunk):
             pool = part.pool
             given = zip(part.pages, part.host_slots, part.digests, strict=True)
             for k, (page, host_slot, expected) in enumerate(given):
-                at += 1
-                if moved is not None and moved[at - 1]:
+                if moved is not None and moved[len(outcomes)]:  # one outcome per page so far: this page's index
                     outcomes.append(_MOVED)
                     continue
                 if not expected:  # fail closed: a page nobody vouches for is not served
