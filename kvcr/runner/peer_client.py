@@ -33,7 +33,7 @@ from kvcr.ports.memory import HostMemory
 from kvcr.ports.metric_catalogue import FailureReason, Path, Result
 from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metrics import Metrics
-from kvcr.runner.peer_links import Link, RemoteLease, SourceLinks, board_layout_of, count_miss
+from kvcr.runner.peer_links import Granted, Link, RemoteLease, SourceLinks, board_layout_of, count_miss
 from kvcr.runner.protocol import NONCE_BYTES, Lease, LeaseReply, RefusalCode, Refused
 from kvcr.runner.runner import KvcrRunner
 from kvcr.runner.served_reports import ServedReports
@@ -52,6 +52,9 @@ _RESULTS = {
     Outcome.FAILED: Result.FAILED,
     Outcome.UNCERTAIN: Result.UNCERTAIN,
 }
+# The labels every restore emits, built once (a restore's own bookkeeping is part of its latency).
+_OUTCOME_LABELS = {result: {"path": Path.REMOTE_RESTORE, "outcome": result} for result in Result}
+_RESTORE_LABELS = {"path": Path.REMOTE_RESTORE}
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,31 +190,18 @@ class PeerClient:
             self._links.send_release(link, reply.lease_id, session)
             count_miss(self._metrics, FailureReason.MALFORMED_REPLY, sum(len(p) for _, p in asked))
             return None
-        slots: dict[tuple[str, str], int] = {}
-        digests: dict[tuple[str, str], bytes] = {}
-        order: dict[str, tuple[list[str], Sequence[int], Sequence[bytes]]] = {}
+        order: dict[str, Granted] = {}
         for (pool, pages), granted, given in zip(asked, reply.slots, reply.digests, strict=True):
             limit = link.pools[pool].slots
             if granted and (min(granted) < -1 or max(granted) >= limit):  # not slots of that pool: not granted
                 granted = [slot if 0 <= slot < limit else -1 for slot in granted]
             order[pool] = (pages, granted, given)
-            if -1 not in granted:  # all granted: the maps without a per-page loop
-                keys = [(pool, page) for page in pages]
-                slots.update(zip(keys, granted, strict=True))
-                digests.update(zip(keys, given, strict=True))
-                continue
-            for page, slot, digest in zip(pages, granted, given, strict=True):
-                if slot >= 0:
-                    slots[(pool, page)] = slot
-                    digests[(pool, page)] = digest
+        lease = RemoteLease(link.endpoint, reply.lease_id, sent_at, reply.ttl_ms / 1000, order, link, session=session)
+        held = lease.held_pages
         total = sum(len(p) for _, p in asked)
-        if total > len(slots):  # a stale hint: the source no longer holds these
-            self._metrics.increment(M.PAGES, total - len(slots), {"path": Path.REMOTE_RESTORE, "outcome": Result.MISS})
-        lease = RemoteLease(
-            link.endpoint, reply.lease_id, sent_at, reply.ttl_ms / 1000, slots, digests, link, session=session
-        )
-        lease.order = order
-        if not slots:
+        if total > held:  # a stale hint: the source no longer holds these
+            self._metrics.increment(M.PAGES, total - held, {"path": Path.REMOTE_RESTORE, "outcome": Result.MISS})
+        if not held:
             lease.released = True
             self._links.send_release(link, reply.lease_id, session)
             return None
@@ -227,9 +217,7 @@ class PeerClient:
         if boards is None:
             return None
         sent_at = self._clock.now()
-        slots: dict[tuple[str, str], int] = {}
-        digests: dict[tuple[str, str], bytes] = {}
-        order: dict[str, tuple[list[str], Sequence[int], Sequence[bytes]]] = {}
+        order: dict[str, Granted] = {}
         gens: dict[str, tuple[Sequence[int], Sequence[int]]] = {}
         for pool, pages in asked:
             wire = link.pools[pool]
@@ -246,13 +234,8 @@ class PeerClient:
             if hits is None or not hits.complete:
                 return None
             order[pool] = (pages, hits.slots, hits.digests)
-            found = [(pool, page) for page in pages]
-            slots.update(zip(found, hits.slots, strict=True))
-            digests.update(zip(found, hits.digests, strict=True))
             gens[pool] = (hits.slots, hits.gens)
-        lease = RemoteLease(link.endpoint, 0, sent_at, self._timing.lease_s, slots, digests, link, board=gens)
-        lease.order = order
-        return lease
+        return RemoteLease(link.endpoint, 0, sent_at, self._timing.lease_s, order, link, board=gens)
 
     def release(self, lease: RemoteLease) -> None:
         """Tell the source it may let go, one-way (best effort; the lease also expires).
@@ -335,7 +318,7 @@ class PeerClient:
             if not moved:
                 break  # the rest stays a miss: do not pile transfers on a failing peer
         self._count(outcomes, requests, leased)
-        self._metrics.observe(M.RESTORE_SECONDS, self._clock.now() - now, {"path": Path.REMOTE_RESTORE})
+        self._metrics.observe(M.RESTORE_SECONDS, self._clock.now() - now, _RESTORE_LABELS)
         return outcomes
 
     def _count(
@@ -360,9 +343,9 @@ class PeerClient:
             for result, pages in tally.items():
                 if not pages:
                     continue
-                metrics.increment(M.PAGES, pages, {"path": Path.REMOTE_RESTORE, "outcome": result})
+                metrics.increment(M.PAGES, pages, _OUTCOME_LABELS[result])
                 if result is not Result.MISS:
-                    metrics.increment(M.BYTES, pages * page_bytes, {"path": Path.REMOTE_RESTORE, "outcome": result})
+                    metrics.increment(M.BYTES, pages * page_bytes, _OUTCOME_LABELS[result])
 
     def restore(self, endpoint: str, requests: Sequence[PoolRead]) -> dict[str, list[PageOutcome]]:
         """Lease, read and release in one call."""

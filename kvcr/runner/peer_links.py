@@ -25,7 +25,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvcr.domain.board import BoardLayout, board_layout
 from kvcr.domain.deadlines import Timing
@@ -72,6 +72,11 @@ class Link:
         self.bytes_per_s = rate if not self.bytes_per_s else (1 - _RATE_WEIGHT) * self.bytes_per_s + _RATE_WEIGHT * rate
 
 
+Granted = tuple[list[str], Sequence[int], Sequence[bytes]]
+"""One pool of a lease: the pages as asked and, in that order, their source slots (-1: not granted)
+and digests (empty: none)."""
+
+
 @dataclass
 class RemoteLease:
     """Pages a source holds for us until ``sent_at + ttl - margin`` on our clock."""
@@ -80,18 +85,41 @@ class RemoteLease:
     lease_id: int
     sent_at: float
     ttl_s: float
-    slots: dict[tuple[str, str], int]  # (pool, page hash) -> source slot
-    digests: dict[tuple[str, str], bytes] = field(default_factory=dict)
+    # Per pool, what was asked and granted, in the order asked: a read of the pages in that order
+    # looks nothing up page by page, and no per-page map is built unless something asks by key.
+    order: dict[str, Granted]
     link: Link | None = None
     released: bool = False
     session: int = 0  # the session it was granted under (its RELEASE goes under the same one)
-    # Per pool, the pages as asked and, in that order, their slots (-1: not granted) and digests:
-    # a read of the pages in the order they were leased looks nothing up page by page.
-    order: dict[str, tuple[list[str], Sequence[int], Sequence[bytes]]] = field(default_factory=dict)
     # Found on the source's slot board instead of leased (nothing pinned, nothing to RELEASE): per
     # pool, the slots as found (``order``'s) and their generations; a page whose slot moved on
     # during the read is a miss.
     board: dict[str, tuple[Sequence[int], Sequence[int]]] | None = None
+
+    @functools.cached_property
+    def slots(self) -> dict[tuple[str, str], int]:
+        """(pool, page hash) -> source slot, for the pages granted."""
+        return {
+            (pool, page): slot
+            for pool, (pages, slots, _) in self.order.items()
+            for page, slot in zip(pages, slots, strict=True)
+            if slot >= 0
+        }
+
+    @functools.cached_property
+    def digests(self) -> dict[tuple[str, str], bytes]:
+        """(pool, page hash) -> the digest the source vouched for, for the pages granted."""
+        return {
+            (pool, page): digest
+            for pool, (pages, slots, digests) in self.order.items()
+            for page, slot, digest in zip(pages, slots, digests, strict=True)
+            if slot >= 0
+        }
+
+    @property
+    def held_pages(self) -> int:
+        """How many pages the source granted."""
+        return sum(len(slots) - slots.count(-1) for _, slots, _ in self.order.values())
 
     def holds(self, pool: str, page_hash: str) -> bool:
         return (pool, page_hash) in self.slots

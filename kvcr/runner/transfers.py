@@ -82,6 +82,8 @@ class Wanted:
 
 def chunks(wanted: Sequence[Wanted], step: int) -> list[list[Wanted]]:
     """``wanted`` in order, cut into transfers of at most ``step`` pages (one may span pools)."""
+    if len(wanted) == 1 and 0 < len(wanted[0]) <= step:  # the common case: one pool's pages, one transfer
+        return [list(wanted)]
     out: list[list[Wanted]] = [[]]
     room = step
     for part in wanted:
@@ -112,7 +114,10 @@ def _counts_up(slots: Sequence[int]) -> bool:
     if isinstance(slots, range):
         return slots.step == 1
     first = slots[0]
-    return slots[-1] - first == len(slots) - 1 and list(slots) == list(range(first, first + len(slots)))
+    if slots[-1] - first != len(slots) - 1:
+        return False
+    steps = range(first, first + len(slots))
+    return (slots if isinstance(slots, list) else list(slots)) == list(steps)
 
 
 class Transfers:
@@ -157,6 +162,8 @@ class Transfers:
 
     def reap(self) -> int:
         """Release quarantined reads that ended after all (their source came back); returns those left."""
+        if not self._quarantine:  # every read asks first; a list read without the lock is at worst one read late
+            return 0
         with self._lock:
             held = list(self._quarantine)
         ended = []
@@ -201,9 +208,9 @@ class Transfers:
             src_ids = link.pools[pool].regions
             dst_ids = buffers[pool].ids if link.staged else self._host_ids(pool)
             for src_first, dst_first, count in _runs(pool_sides):
-                runs.extend(
+                runs += [
                     PieceRun(src, src_first, dst, dst_first, count) for src, dst in zip(src_ids, dst_ids, strict=True)
-                )
+                ]
         started = self._clock.now()
         verdict, unsettled = self._transfer(lease, link, runs, give_up, staged=link.staged)
         if not verdict.restored:
@@ -257,7 +264,10 @@ class Transfers:
                     still = boards.board_still(link.peer.name, wire.board, board_layout_of(wire.slots), src, list(gens))
                 except (ValueError, TransportError):
                     still = None
-            moved.extend([True] * len(src) if still is None else [not same for same in still])
+            if still is None:
+                moved.extend([True] * len(src))
+            else:
+                moved.extend([False] * len(src) if all(still) else [not same for same in still])
         return moved
 
     def _land_staged(

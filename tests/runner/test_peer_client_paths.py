@@ -464,7 +464,7 @@ def test_a_read_of_pools_the_source_lacks_or_has_in_another_shape_is_a_miss_for_
 def test_a_lease_without_a_link_or_already_released_reads_nothing(cluster):
     a, b = cluster.make("A"), cluster.make("B")
     pages = sequence(1)
-    orphan = RemoteLease(a.endpoint, 1, cluster.clock.now(), 5.0, {("kv", pages[0]): 0})
+    orphan = RemoteLease(a.endpoint, 1, cluster.clock.now(), 5.0, {"kv": ([pages[0]], [0], [b""])})
     result = b.client.read(orphan, [PoolRead("kv", pages, [5]), PoolRead("indexer", pages, [6])])
     assert result == {"kv": [result["kv"][0]], "indexer": [result["indexer"][0]]}
     assert reasons(result) == ["lease released"] and reasons(result, "indexer") == ["lease released"]

@@ -124,16 +124,16 @@ class Rig:
 
     def lease(self, items: list[Item], *, ttl_s: float = TIMING.lease_s, unsigned=(), wrong=()) -> RemoteLease:
         """A lease over ``items`` (each written at the source first), with a digest per page unless told."""
-        slots, digests = {}, {}
+        order: dict[str, tuple[list[str], list[int], list[bytes]]] = {}
         for item in items:
-            key = (item.pool, item.page)
-            slots[key] = item.src_slot
+            pages, slots, digests = order.setdefault(item.pool, ([], [], []))
             digest = self.put(item.pool, item.src_slot, item.page)
             if item.page in wrong:
                 digest = bytes(16)
-            if item.page not in unsigned:
-                digests[key] = digest
-        return RemoteLease("src", LEASE_ID, self.clock.now(), ttl_s, slots, digests, self.link)
+            pages.append(item.page)
+            slots.append(item.src_slot)
+            digests.append(b"" if item.page in unsigned else digest)
+        return RemoteLease("src", LEASE_ID, self.clock.now(), ttl_s, dict(order), self.link)
 
     def read(self, lease: RemoteLease, chunk: list[Item], give_up: float | None = None):
         deadline = self.clock.now() + TIMING.operation_s if give_up is None else give_up

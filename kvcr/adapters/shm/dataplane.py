@@ -273,14 +273,17 @@ class ShmDataPlane:
             if alive:
                 known.users += 1
             handle = next(self._handles)
-        if alive:
-            try:
-                for dst, src, nbytes in moves:
-                    copy(dst, src, nbytes)
-            finally:
-                self._done_with(known)
-        with self._lock:
-            self._transfers[handle] = TransferState.DONE if alive else TransferState.FAILED
+        if not alive:
+            with self._lock:
+                self._transfers[handle] = TransferState.FAILED
+            return handle
+        try:
+            for dst, src, nbytes in moves:
+                copy(dst, src, nbytes)
+        finally:
+            with self._lock:  # one acquisition: let go of the peer, record the transfer
+                self._let_go(known)
+                self._transfers[handle] = TransferState.DONE
         return handle
 
     def _moves(self, peer: _Peer, run: PieceRun) -> list[tuple[int, int, int]]:
@@ -318,9 +321,14 @@ class ShmDataPlane:
 
     def _done_with(self, peer: _Peer) -> None:
         with self._lock:
-            peer.users -= 1
-            if peer.closing and not peer.users:
-                _unmap(peer)
+            self._let_go(peer)
+
+    @staticmethod
+    def _let_go(peer: _Peer) -> None:
+        """One user fewer (the caller holds the lock); the last one out of a closing peer unmaps it."""
+        peer.users -= 1
+        if peer.closing and not peer.users:
+            _unmap(peer)
 
     # ------------------------------------------------------------------ slot boards
 
