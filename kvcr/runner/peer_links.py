@@ -310,9 +310,22 @@ class SourceLinks:
         self._control.send(link.endpoint, payload)
 
     def send_served(self, link: Link, pages: list[tuple[int, int]]) -> None:
-        """SERVED over the side link, one-way: (pool id, pages) taken from the source's boards."""
-        if link.side_session and self._side is not None:
-            self._side.side_send(link.peer.name, protocol.encode(protocol.Served(link.side_session, pages)))
+        """SERVED over the side link, one-way: (pool id, pages) taken from the source's boards.
+
+        A source believes at most a pool's slots per entry and reads at most ``MAX_POOLS`` entries
+        of a frame, but a report gathers every restore of its interval: larger counts go as several
+        entries, and as several frames when they do not fit one.
+        """
+        if not link.side_session or self._side is None:
+            return
+        slots = {wire.pool_id: wire.slots for wire in link.pools.values()}
+        entries: list[tuple[int, int]] = []
+        for pool_id, count in pages:
+            most = max(slots.get(pool_id, count), 1)
+            entries += [(pool_id, min(most, count - at)) for at in range(0, count, most)]
+        for at in range(0, len(entries), protocol.MAX_POOLS):
+            frame = protocol.Served(link.side_session, entries[at : at + protocol.MAX_POOLS])
+            self._side.side_send(link.peer.name, protocol.encode(frame))
 
     def newer(self, link: Link) -> Link | None:
         """The link of a newer incarnation that answered HELLO at ``link``'s endpoint since, if any."""

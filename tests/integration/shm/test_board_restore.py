@@ -106,6 +106,20 @@ def test_a_same_host_restore_reads_the_board_with_no_lease_and_the_source_counts
     assert wait_for(lambda: a.count(SERVED) == 11)
 
 
+def test_a_served_report_larger_than_the_pool_is_counted_whole(nodes):
+    # One report gathers every board restore of its interval: 70 restores of a full 8-slot pool make
+    # one report of 560 pages, more than the source believes in one entry (at most the pool's slots)
+    # or reads from one frame (64 entries).
+    a, b = nodes("A", slots=8), nodes("B")
+    keys = bench_keys(8)
+    a.seed(keys)
+    for _ in range(70):
+        result = b.node.client.restore(a.node.endpoint, [PoolRead("kv", keys, list(range(8)))])
+        assert outcomes(result) == [Outcome.RESTORED] * 8
+    assert b.side_requests == 1
+    assert wait_for(lambda: a.count(SERVED) == 560)
+
+
 def test_a_slot_reused_between_the_lookup_and_the_copy_is_a_miss_not_wrong_bytes(nodes):
     a, b = nodes("A", slots=8), nodes("B")
     keys = bench_keys(8)
