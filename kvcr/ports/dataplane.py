@@ -217,3 +217,26 @@ class SharedBoards(Protocol):
         self, peer: str, region: int, layout: BoardLayout, slots: list[int], gens: list[int]
     ) -> list[bool] | None:
         """Per slot, whether its generation is still the one a lookup read; None: no board to read."""
+
+    def board_read(
+        self,
+        peer: str,
+        region: int,
+        layout: BoardLayout,
+        components: Sequence[tuple[int, int]],
+        src_slots: list[int],
+        dst_slots: list[int],
+        gens: list[int],
+    ) -> list[bool] | None:
+        """Copy pages found on ``peer``'s board ``region`` into ours, then say per page whether its slot
+        still has the generation found (False: the peer reused it meanwhile; what landed is not that page).
+
+        ``components``: per component, (the peer's region id, our region id); page ``i`` is source
+        slot ``src_slots[i]`` into our slot ``dst_slots[i]`` of each. A synchronous read and check in
+        one call (a same-host copy cannot stall). None: the peer is gone or shares no such board,
+        and nothing was copied.
+
+        Raises:
+            TransportError: a region unknown or shaped unlike its counterpart, a slot outside it
+                (nothing copied).
+        """

@@ -188,6 +188,8 @@ class Transfers:
         total = sum(len(part) for part in chunk)
         if self._clock.now() >= give_up:
             return [miss("lease expired before the read")] * total, False
+        if lease.board is not None and not link.staged and self._boards is not None:
+            return self._read_found(lease, link, chunk, self._boards)
         buffers: dict[str, StagingBuffer] = {}
         if link.staged:
             for pool in dict.fromkeys(part.pool for part in chunk):
@@ -233,6 +235,43 @@ class Transfers:
         finally:
             for buffer in buffers.values():
                 self._staging.give_back(buffer)
+
+    def _read_found(
+        self, lease: RemoteLease, link: Link, chunk: list[Wanted], boards: SharedBoards
+    ) -> tuple[list[PageOutcome], bool]:
+        """Pages found on slot boards, copied and re-checked by the plane in one call per pool.
+
+        A same-host copy is synchronous and cannot stall, so there is no transfer to post, wait on
+        or give up on; a page whose slot moved on during the copy is a miss (``_checked``).
+        """
+        assert lease.board is not None
+        started = self._clock.now()
+        still: list[bool] = []
+        for part in chunk:
+            wire = link.pools[part.pool]
+            found, gens = lease.board[part.pool]
+            src = part.src_slots if isinstance(part.src_slots, list) else list(part.src_slots)
+            if part.src_slots is not found:  # not the pages in the order they were found: by slot
+                by_slot = dict(zip(found, gens, strict=True))
+                gens = [by_slot[slot] for slot in src]
+            components = list(zip(wire.regions, self._host_ids(part.pool), strict=True))
+            hosts = part.host_slots if isinstance(part.host_slots, list) else list(part.host_slots)
+            try:
+                got = boards.board_read(
+                    link.peer.name, wire.board, board_layout_of(wire.slots), components, src, hosts, list(gens)
+                )
+            except TransportError as exc:
+                log.info("kvcr: read from %s refused: %s", lease.endpoint, exc)
+                self._links.mark_down(lease.endpoint, "read refused", link)
+                return [miss("peer unavailable")] * sum(len(p) for p in chunk), False
+            if got is None:  # the source is gone: as a failed posted read
+                self._links.mark_down(lease.endpoint, "read failed", link)
+                return [failed("read failed")] * sum(len(p) for p in chunk), False
+            still += got
+        page_bytes = self._page_bytes
+        link.learn_rate(sum(page_bytes[part.pool] * len(part) for part in chunk), self._clock.now() - started)
+        moved = [False] * len(still) if all(still) else [not same for same in still]
+        return self._checked(lease, chunk, None, moved), True
 
     @staticmethod
     def _staged_positions(chunk: list[Wanted]) -> list[int]:

@@ -6,6 +6,7 @@ a hostile source could write: slot numbers past the board, digest lengths past a
 """
 
 import ctypes
+import functools
 import hashlib
 import itertools
 
@@ -180,6 +181,62 @@ def test_a_reader_refuses_a_layout_that_does_not_fit_and_keys_that_are_not_whole
         _board.still(board.address, layout.as_tuple(), [0, 1], [0])
     with pytest.raises(TypeError):
         _board.lookup(board.address, list(layout.as_tuple()), bytes(32))
+
+
+class Arena:
+    """``slots`` pieces of ``size`` bytes every ``stride`` in ctypes memory; piece i filled with byte i + fill."""
+
+    def __init__(self, slots: int, size: int, stride: int, fill: int = 0) -> None:
+        self.slots, self.size, self.stride = slots, size, stride
+        self.memory = (ctypes.c_char * (stride * slots))()
+        self.address = ctypes.addressof(self.memory)
+        for i in range(slots):
+            ctypes.memset(self.address + i * stride, (i + fill) % 256, size)
+
+    def piece(self, i: int) -> bytes:
+        return ctypes.string_at(self.address + i * self.stride, self.size)
+
+
+def pieces(src: Arena, dst: Arena) -> list[tuple[int, int, int, int, int, int, int]]:
+    return [(src.address, src.stride, src.slots, dst.address, dst.stride, dst.slots, src.size)]
+
+
+@pytest.mark.parametrize("stride", [256, 320])  # dense (one copy per run) and with gaps (one per page)
+def test_a_board_copy_moves_each_found_page_into_its_slot_and_says_which_stayed_put(stride):
+    board = Board(8)
+    for slot in range(8):
+        board.writer.publish(slot, key(slot), b"")
+    src, dst = Arena(8, 256, stride, fill=1), Arena(16, 256, stride, fill=100)
+    slots, gens, _ = board.find(key(2), key(3), key(4), key(7))
+    board.writer.withdraw(7)  # its slot may change from now on: a reader that found it must not trust it
+    stayed = _board.copy(board.address, board.layout.as_tuple(), pieces(src, dst), slots, [10, 11, 12, 0], gens)
+    assert stayed == [True, True, True, False]
+    assert [dst.piece(i) for i in (10, 11, 12, 0)] == [src.piece(s) for s in (2, 3, 4, 7)]
+    assert dst.piece(13) == bytes([113]) * 256  # nothing past the pages asked
+    assert dst.piece(9) == bytes([109]) * 256
+
+
+def test_a_board_copy_with_a_slot_outside_a_region_copies_nothing():
+    board = Board(8)
+    board.writer.publish(1, key(1), b"")
+    src, dst = Arena(4, 64, 64), Arena(4, 64, 64, fill=50)
+    before = [dst.piece(i) for i in range(4)]
+    copy = functools.partial(_board.copy, board.address, board.layout.as_tuple(), pieces(src, dst))
+    with pytest.raises(ValueError, match="source slot 5 is outside its region"):
+        copy([1, 5], [0, 1], [2, 2])  # slot 5 is on the board (8 slots) but past the source region's 4
+    with pytest.raises(ValueError, match="destination slot 4 is outside"):
+        copy([1, 1], [0, 4], [2, 2])
+    with pytest.raises(ValueError, match="source slot -1"):
+        copy([-1], [0], [2])
+    with pytest.raises(ValueError, match="one slot pair and generation per page"):
+        copy([1], [0, 1], [2])
+    with pytest.raises(ValueError, match="strides of at least its size"):
+        _board.copy(
+            board.address, board.layout.as_tuple(), [(src.address, 32, 4, dst.address, 64, 4, 64)], [1], [0], [2]
+        )
+    with pytest.raises(TypeError):
+        _board.copy(board.address, board.layout.as_tuple(), [(src.address,)], [1], [0], [2])
+    assert [dst.piece(i) for i in range(4)] == before
 
 
 def _fields(layout: BoardLayout) -> dict[str, int]:

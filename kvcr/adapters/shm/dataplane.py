@@ -50,7 +50,7 @@ from kvcr.adapters.shm.broker import Broker
 from kvcr.adapters.shm.host import HostIdentity, this_host
 from kvcr.adapters.shm.wire import Description, Grant, RegionWire
 from kvcr.domain.board import BoardHits, BoardLayout
-from kvcr.domain.layout import PieceRun, RegionDescriptor
+from kvcr.domain.layout import PieceRun, RegionDescriptor, slot_runs
 from kvcr.ports.control import ConnectionHandler
 from kvcr.ports.dataplane import SIDE_FRAME_BYTES, PeerInfo, TransferState
 from kvcr.ports.errors import ControlTimeout, PeerUnavailable, RegistrationError, TransportError
@@ -357,6 +357,65 @@ class ShmDataPlane:
             return _board_reader.still(address, layout.as_tuple(), slots, gens)  # type: ignore[union-attr,no-any-return]
         finally:
             self._done_with(known)
+
+    def board_read(
+        self,
+        peer: str,
+        region: int,
+        layout: BoardLayout,
+        components: Sequence[tuple[int, int]],
+        src_slots: list[int],
+        dst_slots: list[int],
+        gens: list[int],
+    ) -> list[bool] | None:
+        pieces: list[tuple[int, int, int, int, int, int, int]] = []
+        with self._lock:
+            known = self._peers.get(peer)
+            if self._closed or known is None or known.closing or _board_reader is None:
+                return None
+            board = known.regions.get(region)
+            if board is None or board[1].count != 1 or board[1].span < layout.nbytes:
+                return None
+            for src_id, dst_id in components:
+                source = known.regions.get(src_id)
+                local = self._regions.get(dst_id)
+                if source is None or local is None:
+                    raise TransportError(f"no region {src_id} at shm peer {peer!r} or {dst_id} here to copy between")
+                src_base, shape = source
+                dst = local.region
+                if shape.piece_bytes != dst.piece_bytes:
+                    raise TransportError(f"pieces of {shape.piece_bytes} bytes there, {dst.piece_bytes} here")
+                pieces.append((src_base, shape.stride, shape.count, dst.base, dst.stride, dst.count, dst.piece_bytes))
+            if not self._alive(known):  # a dead peer serves nothing more, as for a posted read
+                return None
+            known.users += 1
+        try:
+            if _stream_copy is None or sum(p[6] for p in pieces) * len(src_slots) < STREAM_MIN_BYTES:
+                return _board_reader.copy(board[0], layout.as_tuple(), pieces, src_slots, dst_slots, gens)  # type: ignore[no-any-return]
+            # Large: stream past the cache (see _copier), then check, as a posted read would.
+            self._stream_pieces(pieces, src_slots, dst_slots)
+            return _board_reader.still(board[0], layout.as_tuple(), src_slots, gens)  # type: ignore[no-any-return]
+        except ValueError as exc:  # a slot outside its region: the C reader copied nothing
+            raise TransportError(str(exc)) from exc
+        finally:
+            self._done_with(known)
+
+    @staticmethod
+    def _stream_pieces(
+        pieces: list[tuple[int, int, int, int, int, int, int]], src_slots: list[int], dst_slots: list[int]
+    ) -> None:
+        """Copy each page's pieces with streaming stores, runs of pages that follow each other in one copy."""
+        assert _stream_copy is not None
+        for src_base, src_stride, src_count, dst_base, dst_stride, dst_count, size in pieces:
+            if any(not 0 <= s < src_count for s in src_slots) or any(not 0 <= d < dst_count for d in dst_slots):
+                raise ValueError("a slot is outside its region")
+            dense = src_stride == size and dst_stride == size
+            for src_first, dst_first, count in slot_runs(zip(src_slots, dst_slots, strict=True)):
+                if dense:
+                    _stream_copy(dst_base + dst_first * dst_stride, src_base + src_first * src_stride, size * count)
+                    continue
+                for k in range(count):
+                    _stream_copy(dst_base + (dst_first + k) * dst_stride, src_base + (src_first + k) * src_stride, size)
 
     def _board_of(self, peer: str, region: int, layout: BoardLayout, *, alive: bool = True) -> tuple[_Peer, int] | None:
         """The peer (held: release with ``_done_with``) and its board's address: if alive, mapped and large enough."""

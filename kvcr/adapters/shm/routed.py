@@ -141,6 +141,30 @@ class SameHostFirst:
         found = self._boards(peer, region)
         return found[0].board_still(peer, found[1], layout, slots, gens) if found is not None else None
 
+    def board_read(
+        self,
+        peer: str,
+        region: int,
+        layout: BoardLayout,
+        components: Sequence[tuple[int, int]],
+        src_slots: list[int],
+        dst_slots: list[int],
+        gens: list[int],
+    ) -> list[bool] | None:
+        found = self._boards(peer, region)
+        if found is None:
+            return None
+        with self._lock:
+            route = self._routes.get(peer)
+            inner = []
+            for src, dst in components:
+                theirs = route.ids.get(src) if route is not None else None
+                ours = self._regions.get(dst)
+                if theirs is None or ours is None:
+                    raise TransportError(f"no region {src} at peer {peer!r} or {dst} here to copy between")
+                inner.append((theirs, ours[0]))
+        return found[0].board_read(peer, found[1], layout, inner, src_slots, dst_slots, gens)
+
     def describe(self) -> bytes:
         shm, fallback = self._shm.describe(), self._fallback.describe()
         with self._lock:

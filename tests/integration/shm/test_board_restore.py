@@ -13,6 +13,7 @@ import pytest
 
 from kvcr.adapters.local import MmapHostMemory
 from kvcr.adapters.shm import ShmDataPlane
+from kvcr.adapters.shm import dataplane as shm_dataplane
 from kvcr.container import build_container
 from kvcr.domain.deadlines import Timing
 from kvcr.domain.outcomes import Outcome
@@ -152,6 +153,42 @@ def test_a_slot_reused_between_the_lookup_and_the_copy_is_a_miss_not_wrong_bytes
     gone = keys[evicted.index(True)]
     assert outcomes(b.node.client.restore(a.node.endpoint, [PoolRead("kv", [gone], [30])])) == [Outcome.MISS]
     assert b.side_requests == 2  # not on the board: LEASE asked, and the source has it no more
+
+
+def test_a_large_board_read_streams_its_copies_and_still_checks_the_slots(nodes, monkeypatch):
+    monkeypatch.setattr(shm_dataplane, "STREAM_MIN_BYTES", 0)  # every read is "large" (64 MiB+ in service)
+    a, b = nodes("A", slots=8), nodes("B")
+    keys = bench_keys(6)
+    a.seed(keys)
+    lease = b.node.client.lease(a.node.endpoint, [("kv", keys)])
+    assert lease is not None and lease.board is not None
+    a.seed(bench_keys(10)[6:], first_slot=8)  # the source needs two slots: it evicts two of ours
+    evicted = [not held for held in a.node.runner.exists("kv", keys)]
+    assert sum(evicted) == 2
+    # Host slots 30, 31, 33, ... : two runs, so both the one-copy and the next-run paths are taken.
+    hosts = [30, 31, 33, 34, 35, 36]
+    result = b.node.client.read(lease, [PoolRead("kv", keys, hosts)])
+    b.node.client.release(lease)
+    for key, host, gone, outcome in zip(keys, hosts, evicted, result["kv"], strict=True):
+        if gone:
+            assert outcome.outcome is Outcome.MISS and "reused the slot" in outcome.reason
+        else:
+            assert outcome.outcome is Outcome.RESTORED and b.host.read(host) == page_pattern(key, PAGE)
+
+
+def test_a_source_gone_between_the_lookup_and_the_copy_serves_nothing_more(nodes):
+    a, b = nodes("A"), nodes("B")
+    keys = bench_keys(4)
+    a.seed(keys)
+    lease = b.node.client.lease(a.node.endpoint, [("kv", keys)])
+    assert lease is not None and lease.board is not None
+    b.host.write(5, b"\x07" * PAGE)
+    a.node.close()  # its mapping stays ours, but a peer that went away is not read
+    result = b.node.client.read(lease, [PoolRead("kv", keys, [5, 6, 7, 8])])
+    b.node.client.release(lease)
+    assert outcomes(result) == [Outcome.FAILED] * 4
+    assert b.host.read(5) == b"\x07" * PAGE  # nothing landed
+    assert b.node.client.links == 0  # and the link is dropped, as after any failed read
 
 
 def test_a_source_that_offers_no_board_is_leased_over_the_side_link(nodes, monkeypatch):
