@@ -210,8 +210,12 @@ class SharedBoards(Protocol):
     def share_board(self, region: RegionDescriptor) -> int:
         """Expose ``region`` (a board) to same-host peers only; its id goes into the peer protocol's HELLO."""
 
-    def board_lookup(self, peer: str, region: int, layout: BoardLayout, keys: bytes) -> BoardHits | None:
-        """Per 32-byte key of ``keys``, where ``peer``'s board ``region`` has it; None: no board to read."""
+    def board_lookup(self, peer: str, region: int, layout: BoardLayout, keys: list[str]) -> BoardHits | None:
+        """Per page key of ``keys``, where ``peer``'s board ``region`` has it; None: no board to read.
+
+        Raises:
+            ValueError: a key that is not 64 lowercase hex characters (a board holds no other).
+        """
 
     def board_still(
         self, peer: str, region: int, layout: BoardLayout, slots: list[int], gens: list[int]

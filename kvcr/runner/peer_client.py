@@ -23,7 +23,6 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvcr.domain.board import KEY_BYTES
 from kvcr.domain.outcomes import RESTORED, Outcome, PageOutcome, miss
 from kvcr.ports.clock import Clock
 from kvcr.ports.control import ControlChannel
@@ -223,13 +222,9 @@ class PeerClient:
             wire = link.pools[pool]
             if wire.board < 0:
                 return None
-            joined = "".join(pages)
             try:
-                keys = bytes.fromhex(joined)
-                if len(keys) != KEY_BYTES * len(pages) or keys.hex() != joined:
-                    return None  # not all canonical keys: the source's LEASE answers those
-                hits = boards.board_lookup(link.peer.name, wire.board, board_layout_of(wire.slots), keys)
-            except (ValueError, TransportError):
+                hits = boards.board_lookup(link.peer.name, wire.board, board_layout_of(wire.slots), pages)
+            except (ValueError, TransportError):  # ValueError: not all canonical keys; LEASE answers those
                 return None
             if hits is None or not hits.complete:
                 return None

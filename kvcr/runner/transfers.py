@@ -258,7 +258,13 @@ class Transfers:
             hosts = part.host_slots if isinstance(part.host_slots, list) else list(part.host_slots)
             try:
                 got = boards.board_read(
-                    link.peer.name, wire.board, board_layout_of(wire.slots), components, src, hosts, list(gens)
+                    link.peer.name,
+                    wire.board,
+                    board_layout_of(wire.slots),
+                    components,
+                    src,
+                    hosts,
+                    gens if isinstance(gens, list) else list(gens),
                 )
             except TransportError as exc:
                 log.info("kvcr: read from %s refused: %s", lease.endpoint, exc)

@@ -25,7 +25,7 @@ class Reader:
         assert region.piece_bytes == self.layout.nbytes
 
     def find(self, pages):
-        return _board.lookup(self.address, self.layout.as_tuple(), bytes.fromhex("".join(pages)))
+        return _board.lookup(self.address, self.layout.as_tuple(), list(pages))
 
     def still(self, slots, gens):
         return _board.still(self.address, self.layout.as_tuple(), slots, gens)

@@ -31,7 +31,7 @@ class Board:
         self.writer = SlotBoard(self.address, self.layout)
 
     def find(self, *pages: str) -> tuple[list[int], list[int], list[bytes]]:
-        return _board.lookup(self.address, self.layout.as_tuple(), bytes.fromhex("".join(pages)))
+        return _board.lookup(self.address, self.layout.as_tuple(), list(pages))
 
     def still(self, slots: list[int], gens: list[int]) -> list[bool]:
         return _board.still(self.address, self.layout.as_tuple(), slots, gens)
@@ -166,21 +166,28 @@ def test_a_hostile_board_is_read_within_its_bounds():
     assert board.still([1, -1, 8, 10**6], [gen, 0, 0, 0]) == [False, False, False, False]
 
 
-def test_a_reader_refuses_a_layout_that_does_not_fit_and_keys_that_are_not_whole():
+def test_a_reader_refuses_a_layout_that_does_not_fit_and_keys_that_are_not_canonical():
     board = Board(8)
     layout = board.layout
+    board.writer.publish(1, key(1), b"")
     too_small = BoardLayout(**{**_fields(layout), "nbytes": layout.table})
     with pytest.raises(ValueError, match="does not fit"):
-        _board.lookup(board.address, too_small.as_tuple(), bytes(32))
+        _board.lookup(board.address, too_small.as_tuple(), [key(1)])
     not_power = BoardLayout(**{**_fields(layout), "buckets": layout.buckets - 1})
     with pytest.raises(ValueError, match="does not fit"):
         _board.still(board.address, not_power.as_tuple(), [0], [0])
-    with pytest.raises(ValueError, match="whole 32-byte keys"):
-        _board.lookup(board.address, layout.as_tuple(), bytes(33))
+    # A key the board could not hold as written (upper case, short, long, not hex, not ASCII, not a str):
+    # refused, not looked up under another spelling or cut to its first 32 bytes.
+    for bad in [key(1).upper(), key(1)[:-1], key(1) + "0", key(1)[:-1] + "g", key(1)[:-1] + "\u00e9", bytes(64)]:
+        with pytest.raises(ValueError, match="64 lowercase hex characters"):
+            _board.lookup(board.address, layout.as_tuple(), [key(1), bad])
+    assert board.find(key(1))[0] == [1]
     with pytest.raises(ValueError, match="one generation per slot"):
         _board.still(board.address, layout.as_tuple(), [0, 1], [0])
     with pytest.raises(TypeError):
-        _board.lookup(board.address, list(layout.as_tuple()), bytes(32))
+        _board.lookup(board.address, list(layout.as_tuple()), [key(1)])
+    with pytest.raises(TypeError):
+        _board.lookup(board.address, layout.as_tuple(), (key(1),))
 
 
 class Arena:

@@ -7,8 +7,9 @@
  * slot number and length read from it is bounds-checked before use, and every record is read
  * between two equal even generation loads (a seqlock); a record that changes under us is skipped.
  *
- * lookup(address, layout, keys) -> (slots, gens, digests): keys is n * 32 bytes; per key its slot
- *     (-1: not on the board), the generation it was read at, and its digest (b"" when not found).
+ * lookup(address, layout, keys) -> (slots, gens, digests): keys is a list of page keys, each 64
+ *     lowercase hex characters (anything else: ValueError, so the caller leases instead); per key its
+ *     slot (-1: not on the board), the generation it was read at, and its digest (b"" when not found).
  * still(address, layout, slots, gens) -> list[bool]: per slot, whether its generation is unchanged.
  * copy(address, layout, pieces, src_slots, dst_slots, gens) -> list[bool]: copy pages found on the
  *     board into ours, then per page whether its slot's generation is still the one found (False: the
@@ -55,22 +56,42 @@ static inline uint64_t load_gen(const char *base, const layout_t *l, uint64_t sl
     return __atomic_load_n((const uint64_t *)(base + l->gens + 8 * slot), __ATOMIC_ACQUIRE);
 }
 
+/* Key ``hex`` (a page key as the engine names it) as its 32 bytes: 0, or -1 with ValueError when it is
+ * not exactly 64 lowercase hex characters (the one spelling a board stores). */
+static int key_bytes(PyObject *hex, unsigned char *out)
+{
+    if (!PyUnicode_Check(hex) || !PyUnicode_IS_COMPACT_ASCII(hex) || PyUnicode_GET_LENGTH(hex) != 2 * KEY_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "a board key is 64 lowercase hex characters");
+        return -1;
+    }
+    const char *text = (const char *)PyUnicode_DATA(hex);
+    for (int i = 0; i < 2 * KEY_BYTES; i++) {
+        char c = text[i];
+        int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (v < 0) {
+            PyErr_SetString(PyExc_ValueError, "a board key is 64 lowercase hex characters");
+            return -1;
+        }
+        out[i / 2] = (unsigned char)(i % 2 ? out[i / 2] | v : v << 4);
+    }
+    return 0;
+}
+
 static PyObject *lookup(PyObject *self, PyObject *args)
 {
     unsigned long long address;
-    PyObject *layout_obj;
-    Py_buffer keys;
+    PyObject *layout_obj, *keys;
     layout_t l;
-    if (!PyArg_ParseTuple(args, "KO!y*", &address, &PyTuple_Type, &layout_obj, &keys))
+    if (!PyArg_ParseTuple(args, "KO!O!", &address, &PyTuple_Type, &layout_obj, &PyList_Type, &keys))
         return NULL;
     PyObject *slots = NULL, *gens = NULL, *digests = NULL, *result = NULL;
     if (parse_layout(layout_obj, &l) < 0)
         goto done;
-    if (address == 0 || keys.len % KEY_BYTES) {
-        PyErr_SetString(PyExc_ValueError, "a board lookup needs an address and whole 32-byte keys");
+    if (address == 0) {
+        PyErr_SetString(PyExc_ValueError, "a board lookup needs an address");
         goto done;
     }
-    Py_ssize_t n = keys.len / KEY_BYTES;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
     slots = PyList_New(n);
     gens = PyList_New(n);
     digests = PyList_New(n);
@@ -80,7 +101,9 @@ static PyObject *lookup(PyObject *self, PyObject *args)
     const volatile uint32_t *table = (const volatile uint32_t *)(base + l.table);
     const uint64_t mask = l.buckets - 1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        const unsigned char *key = (const unsigned char *)keys.buf + (size_t)i * KEY_BYTES;
+        unsigned char key[KEY_BYTES];
+        if (key_bytes(PyList_GET_ITEM(keys, i), key) < 0)
+            goto done;
         uint64_t home;
         memcpy(&home, key, 8); /* little endian on every platform kvcr shares boards on */
         long long found = -1;
@@ -126,7 +149,6 @@ done:
     Py_XDECREF(slots);
     Py_XDECREF(gens);
     Py_XDECREF(digests);
-    PyBuffer_Release(&keys);
     return result;
 }
 

@@ -335,7 +335,7 @@ class ShmDataPlane:
     def share_board(self, region: RegionDescriptor) -> int:
         return self.register([region], exposed=True)[0]
 
-    def board_lookup(self, peer: str, region: int, layout: BoardLayout, keys: bytes) -> BoardHits | None:
+    def board_lookup(self, peer: str, region: int, layout: BoardLayout, keys: list[str]) -> BoardHits | None:
         found = self._board_of(peer, region, layout)
         if found is None:
             return None

@@ -131,7 +131,7 @@ class SameHostFirst:
         inner = route.ids.get(region)
         return (self._shm, inner) if inner is not None else None
 
-    def board_lookup(self, peer: str, region: int, layout: BoardLayout, keys: bytes) -> BoardHits | None:
+    def board_lookup(self, peer: str, region: int, layout: BoardLayout, keys: list[str]) -> BoardHits | None:
         found = self._boards(peer, region)
         return found[0].board_lookup(peer, found[1], layout, keys) if found is not None else None
 
