@@ -203,7 +203,7 @@ class SharedBoards(Protocol):
 
     The source shares each pool's board as a region only same-host peers can map; a target that
     maps it finds where pages sit without a LEASE, and checks after its copy that they did not move.
-    Both lookups are lock-free reads of the peer's memory; a peer this plane does not map (another
+    Board reads are lock-free reads of the peer's memory; a peer this plane does not map (another
     host, or no board support built) answers None, and the caller leases the usual way.
     """
 

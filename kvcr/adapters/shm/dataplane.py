@@ -21,8 +21,10 @@ How the port maps onto shared memory:
   was built, else with memmove.
 - ``disconnect`` unmaps a peer once no read of it is copying.
 - Slot boards (``SharedBoards``): a source shares each pool's board as one more exposed region;
-  a target looks keys up in a peer's mapped board and re-checks their generations after the copy
-  (``_board``, a small C extension; without it there are no board reads and every page is leased).
+  a target looks keys up in a peer's mapped board, and ``board_read`` copies what it found and
+  re-checks the generations in one call, with no handle (``_board``, a small C extension that
+  bounds-checks every slot before copying; without it there are no board reads and every page is
+  leased).
 - Side links (``SideChannel``): the grant's connection also carries control frames. The source's
   broker answers them with the peer server's handler (``serve_side``); the target's
   ``side_request`` is a send and a wait on that socket, a UNIX-socket round trip instead of a
