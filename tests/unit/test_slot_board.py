@@ -223,6 +223,16 @@ def test_a_board_copy_moves_each_found_page_into_its_slot_and_says_which_stayed_
     assert dst.piece(9) == bytes([109]) * 256
 
 
+def test_a_board_copy_takes_every_component_of_a_page_however_many():
+    board = Board(4)
+    board.writer.publish(2, key(2), b"")
+    slots, gens, _ = board.find(key(2))
+    arenas = [(Arena(4, 64, 64, fill=c), Arena(4, 64, 64, fill=200)) for c in range(80)]
+    got = _board.copy(board.address, board.layout.as_tuple(), [pieces(s, d)[0] for s, d in arenas], slots, [1], gens)
+    assert got == [True]
+    assert all(dst.piece(1) == src.piece(2) for src, dst in arenas)
+
+
 def test_a_board_copy_with_a_slot_outside_a_region_copies_nothing():
     board = Board(8)
     board.writer.publish(1, key(1), b"")
@@ -237,6 +247,8 @@ def test_a_board_copy_with_a_slot_outside_a_region_copies_nothing():
         copy([-1], [0], [2])
     with pytest.raises(ValueError, match="one slot pair and generation per page"):
         copy([1], [0, 1], [2])
+    with pytest.raises(ValueError, match="a component"):
+        _board.copy(board.address, board.layout.as_tuple(), [], [1], [0], [2])
     with pytest.raises(ValueError, match="strides of at least its size"):
         _board.copy(
             board.address, board.layout.as_tuple(), [(src.address, 32, 4, dst.address, 64, 4, 64)], [1], [0], [2]

@@ -218,31 +218,31 @@ static PyObject *copy(PyObject *self, PyObject *args)
     if (parse_layout(layout_obj, &l) < 0)
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(src_obj), m = PyList_GET_SIZE(pieces_obj);
-    if (address == 0 || PyList_GET_SIZE(dst_obj) != n || PyList_GET_SIZE(gens_obj) != n || m < 1 || m > 64) {
+    if (address == 0 || PyList_GET_SIZE(dst_obj) != n || PyList_GET_SIZE(gens_obj) != n || m < 1) {
         PyErr_SetString(PyExc_ValueError,
-                        "a board copy needs an address, 1 to 64 components and one slot pair and generation per page");
+                        "a board copy needs an address, a component and one slot pair and generation per page");
         return NULL;
     }
-    piece_t pieces[64];
+    piece_t *pieces = PyMem_Malloc(sizeof(piece_t) * (size_t)m);
+    long long *src = PyMem_Malloc(sizeof(long long) * (size_t)(2 * n + 1));
+    uint64_t *want = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n + 1));
+    PyObject *out = NULL;
+    if (pieces == NULL || src == NULL || want == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     unsigned long long src_bound = l.slots, dst_bound = (unsigned long long)-1;
     for (Py_ssize_t c = 0; c < m; c++) {
         piece_t *p = &pieces[c];
         if (!PyArg_ParseTuple(PyList_GET_ITEM(pieces_obj, c), "KKKKKKK;a piece is 7 ints", &p->src, &p->src_stride,
                               &p->src_count, &p->dst, &p->dst_stride, &p->dst_count, &p->bytes))
-            return NULL;
+            goto done;
         if (p->src == 0 || p->dst == 0 || p->bytes == 0 || p->src_stride < p->bytes || p->dst_stride < p->bytes) {
             PyErr_SetString(PyExc_ValueError, "a piece needs addresses and strides of at least its size");
-            return NULL;
+            goto done;
         }
         src_bound = p->src_count < src_bound ? p->src_count : src_bound;
         dst_bound = p->dst_count < dst_bound ? p->dst_count : dst_bound;
-    }
-    long long *src = PyMem_Malloc(sizeof(long long) * (size_t)(2 * n + 1));
-    uint64_t *want = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n + 1));
-    PyObject *out = NULL;
-    if (src == NULL || want == NULL) {
-        PyErr_NoMemory();
-        goto done;
     }
     long long *dst = src + n;
     if (slots_of(src_obj, n, src_bound, src, "source") < 0 || slots_of(dst_obj, n, dst_bound, dst, "destination") < 0)
@@ -281,6 +281,7 @@ static PyObject *copy(PyObject *self, PyObject *args)
         PyList_SET_ITEM(out, i, flag);
     }
 done:
+    PyMem_Free(pieces);
     PyMem_Free(src);
     PyMem_Free(want);
     return out;
