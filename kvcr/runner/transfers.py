@@ -120,6 +120,22 @@ def _counts_up(slots: Sequence[int]) -> bool:
     return (slots if isinstance(slots, list) else list(slots)) == list(steps)
 
 
+def _as_found(lease: RemoteLease, part: Wanted) -> tuple[list[int], list[int]]:
+    """A part's source slots and, per slot, the generation its board lookup found them at."""
+    assert lease.board is not None
+    found, gens = lease.board[part.pool]
+    src = part.src_slots if isinstance(part.src_slots, list) else list(part.src_slots)
+    if part.src_slots is not found:  # not the pages in the order they were found: by slot
+        by_slot = dict(zip(found, gens, strict=True))
+        return src, [by_slot[slot] for slot in src]
+    return src, gens if isinstance(gens, list) else list(gens)
+
+
+def _moved_unless(still: list[bool]) -> list[bool]:
+    """Per page, whether its slot moved, from the board's per-page "still there" answer."""
+    return [False] * len(still) if all(still) else [not same for same in still]
+
+
 class Transfers:
     """Reads leased pages, chunk by chunk. Thread-safe.
 
@@ -189,7 +205,7 @@ class Transfers:
         if self._clock.now() >= give_up:
             return [miss("lease expired before the read")] * total, False
         if lease.board is not None and not link.staged and self._boards is not None:
-            return self._read_found(lease, link, chunk, self._boards)
+            return self._read_found(lease, link, chunk, total, self._boards)
         buffers: dict[str, StagingBuffer] = {}
         if link.staged:
             for pool in dict.fromkeys(part.pool for part in chunk):
@@ -225,8 +241,7 @@ class Transfers:
                 with self._lock:
                     self._quarantine.append((unsettled, list(buffers.values())))
             return [verdict] * total, False
-        page_bytes = self._page_bytes
-        link.learn_rate(sum(page_bytes[part.pool] * len(part) for part in chunk), self._clock.now() - started)
+        self._learn(link, chunk, started)
         moved = self._moved(lease, link, chunk) if lease.board is not None else None
         if not link.staged:
             return self._checked(lease, chunk, None, moved), True
@@ -237,47 +252,43 @@ class Transfers:
                 self._staging.give_back(buffer)
 
     def _read_found(
-        self, lease: RemoteLease, link: Link, chunk: list[Wanted], boards: SharedBoards
+        self, lease: RemoteLease, link: Link, chunk: list[Wanted], total: int, boards: SharedBoards
     ) -> tuple[list[PageOutcome], bool]:
         """Pages found on slot boards, copied and re-checked by the plane in one call per pool.
 
         A same-host copy is synchronous and cannot stall, so there is no transfer to post, wait on
         or give up on; a page whose slot moved on during the copy is a miss (``_checked``).
         """
-        assert lease.board is not None
         started = self._clock.now()
         still: list[bool] = []
         for part in chunk:
             wire = link.pools[part.pool]
-            found, gens = lease.board[part.pool]
-            src = part.src_slots if isinstance(part.src_slots, list) else list(part.src_slots)
-            if part.src_slots is not found:  # not the pages in the order they were found: by slot
-                by_slot = dict(zip(found, gens, strict=True))
-                gens = [by_slot[slot] for slot in src]
+            src, gens = _as_found(lease, part)
             components = list(zip(wire.regions, self._host_ids(part.pool), strict=True))
             hosts = part.host_slots if isinstance(part.host_slots, list) else list(part.host_slots)
             try:
                 got = boards.board_read(
-                    link.peer.name,
-                    wire.board,
-                    board_layout_of(wire.slots),
-                    components,
-                    src,
-                    hosts,
-                    gens if isinstance(gens, list) else list(gens),
+                    link.peer.name, wire.board, board_layout_of(wire.slots), components, src, hosts, gens
                 )
             except TransportError as exc:
-                log.info("kvcr: read from %s refused: %s", lease.endpoint, exc)
-                self._links.mark_down(lease.endpoint, "read refused", link)
-                return [miss("peer unavailable")] * sum(len(p) for p in chunk), False
+                return [self._refused(lease, link, exc)] * total, False
             if got is None:  # the source is gone: as a failed posted read
                 self._links.mark_down(lease.endpoint, "read failed", link)
-                return [failed("read failed")] * sum(len(p) for p in chunk), False
+                return [failed("read failed")] * total, False
             still += got
+        self._learn(link, chunk, started)
+        return self._checked(lease, chunk, None, _moved_unless(still)), True
+
+    def _learn(self, link: Link, chunk: list[Wanted], started: float) -> None:
+        """Fold a completed chunk's bytes and time into the link's throughput estimate."""
         page_bytes = self._page_bytes
         link.learn_rate(sum(page_bytes[part.pool] * len(part) for part in chunk), self._clock.now() - started)
-        moved = [False] * len(still) if all(still) else [not same for same in still]
-        return self._checked(lease, chunk, None, moved), True
+
+    def _refused(self, lease: RemoteLease, link: Link, exc: TransportError) -> PageOutcome:
+        """The data plane refused a read of ``link``: the source is skipped, its pages are misses."""
+        log.info("kvcr: read from %s refused: %s", lease.endpoint, exc)
+        self._links.mark_down(lease.endpoint, "read refused", link)
+        return miss("peer unavailable")
 
     @staticmethod
     def _staged_positions(chunk: list[Wanted]) -> list[int]:
@@ -292,27 +303,18 @@ class Transfers:
 
     def _moved(self, lease: RemoteLease, link: Link, chunk: list[Wanted]) -> list[bool]:
         """Per page of a chunk found on slot boards: whether its slot moved on (evicted, refilled) since."""
-        board = lease.board
         boards = self._boards
-        assert board is not None
         moved: list[bool] = []
         for part in chunk:
             wire = link.pools[part.pool]
-            found, gens = board[part.pool]
-            src = list(part.src_slots)
-            if part.src_slots is not found:  # not the pages in the order they were found: by slot
-                by_slot = dict(zip(found, gens, strict=True))
-                gens = [by_slot[slot] for slot in src]
+            src, gens = _as_found(lease, part)
             still = None
             if boards is not None:
                 try:
-                    still = boards.board_still(link.peer.name, wire.board, board_layout_of(wire.slots), src, list(gens))
+                    still = boards.board_still(link.peer.name, wire.board, board_layout_of(wire.slots), src, gens)
                 except (ValueError, TransportError):
                     still = None
-            if still is None:
-                moved.extend([True] * len(src))
-            else:
-                moved.extend([False] * len(src) if all(still) else [not same for same in still])
+            moved += [True] * len(src) if still is None else _moved_unless(still)
         return moved
 
     def _land_staged(
@@ -417,9 +419,7 @@ class Transfers:
         try:
             handle = self._data_plane.read(link.peer.name, runs, lease=lease.lease_id)
         except TransportError as exc:
-            log.info("kvcr: read from %s refused: %s", lease.endpoint, exc)
-            self._links.mark_down(lease.endpoint, "read refused", link)
-            return miss("peer unavailable"), None
+            return self._refused(lease, link, exc), None
         state = self._wait(handle, give_up)
         completed_at = self._clock.now()
         if state is TransferState.PENDING:
