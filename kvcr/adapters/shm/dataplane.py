@@ -370,54 +370,44 @@ class ShmDataPlane:
         dst_slots: list[int],
         gens: list[int],
     ) -> list[bool] | None:
-        pieces: list[tuple[int, int, int, int, int, int, int]] = []
-        with self._lock:
-            known = self._peers.get(peer)
-            if self._closed or known is None or known.closing or _board_reader is None:
-                return None
-            board = known.regions.get(region)
-            if board is None or board[1].count != 1 or board[1].span < layout.nbytes:
-                return None
-            for src_id, dst_id in components:
-                source = known.regions.get(src_id)
-                local = self._regions.get(dst_id)
-                if source is None or local is None:
-                    raise TransportError(f"no region {src_id} at shm peer {peer!r} or {dst_id} here to copy between")
-                src_base, shape = source
-                dst = local.region
-                if shape.piece_bytes != dst.piece_bytes:
-                    raise TransportError(f"pieces of {shape.piece_bytes} bytes there, {dst.piece_bytes} here")
-                pieces.append((src_base, shape.stride, shape.count, dst.base, dst.stride, dst.count, dst.piece_bytes))
-            if not self._alive(known):  # a dead peer serves nothing more, as for a posted read
-                return None
-            known.users += 1
+        found = self._board_of(peer, region, layout)  # held from here: released in the finally
+        if found is None:
+            return None
+        known, board = found
         try:
-            if _stream_copy is None or sum(p[6] for p in pieces) * len(src_slots) < STREAM_MIN_BYTES:
-                return _board_reader.copy(board[0], layout.as_tuple(), pieces, src_slots, dst_slots, gens)  # type: ignore[no-any-return]
-            # Large: stream past the cache (see _copier), then check, as a posted read would.
-            self._stream_pieces(pieces, src_slots, dst_slots)
-            return _board_reader.still(board[0], layout.as_tuple(), src_slots, gens)  # type: ignore[no-any-return]
+            with self._lock:
+                pieces = [self._piece(known, src_id, dst_id) for src_id, dst_id in components]
+                copy = _copier(sum(p[6] for p in pieces) * len(src_slots))
+                # A large read streams past the cache (see _copier): the same runs and checks as a
+                # posted read, then the generation check.
+                runs = slot_runs(zip(src_slots, dst_slots, strict=True)) if copy is not _memmove else []
+                moves = [
+                    move
+                    for src_id, dst_id in components
+                    for src_first, dst_first, count in runs
+                    for move in self._moves(known, PieceRun(src_id, src_first, dst_id, dst_first, count))
+                ]
+            if copy is _memmove:
+                return _board_reader.copy(board, layout.as_tuple(), pieces, src_slots, dst_slots, gens)  # type: ignore[union-attr,no-any-return]
+            for dst, src, nbytes in moves:
+                copy(dst, src, nbytes)
+            return _board_reader.still(board, layout.as_tuple(), src_slots, gens)  # type: ignore[union-attr,no-any-return]
         except ValueError as exc:  # a slot outside its region: the C reader copied nothing
             raise TransportError(str(exc)) from exc
         finally:
             self._done_with(known)
 
-    @staticmethod
-    def _stream_pieces(
-        pieces: list[tuple[int, int, int, int, int, int, int]], src_slots: list[int], dst_slots: list[int]
-    ) -> None:
-        """Copy each page's pieces with streaming stores, runs of pages that follow each other in one copy."""
-        assert _stream_copy is not None
-        for src_base, src_stride, src_count, dst_base, dst_stride, dst_count, size in pieces:
-            if any(not 0 <= s < src_count for s in src_slots) or any(not 0 <= d < dst_count for d in dst_slots):
-                raise ValueError("a slot is outside its region")
-            dense = src_stride == size and dst_stride == size
-            for src_first, dst_first, count in slot_runs(zip(src_slots, dst_slots, strict=True)):
-                if dense:
-                    _stream_copy(dst_base + dst_first * dst_stride, src_base + src_first * src_stride, size * count)
-                    continue
-                for k in range(count):
-                    _stream_copy(dst_base + (dst_first + k) * dst_stride, src_base + (src_first + k) * src_stride, size)
+    def _piece(self, peer: _Peer, src_id: int, dst_id: int) -> tuple[int, int, int, int, int, int, int]:
+        """One component of a board copy, for the C reader (the caller holds the lock)."""
+        source = peer.regions.get(src_id)
+        local = self._regions.get(dst_id)
+        if source is None or local is None:
+            raise TransportError(f"no region {src_id} at shm peer {peer.name!r} or {dst_id} here to copy between")
+        src_base, shape = source
+        dst = local.region
+        if shape.piece_bytes != dst.piece_bytes:
+            raise TransportError(f"pieces of {shape.piece_bytes} bytes there, {dst.piece_bytes} here")
+        return (src_base, shape.stride, shape.count, dst.base, dst.stride, dst.count, dst.piece_bytes)
 
     def _board_of(self, peer: str, region: int, layout: BoardLayout, *, alive: bool = True) -> tuple[_Peer, int] | None:
         """The peer (held: release with ``_done_with``) and its board's address: if alive, mapped and large enough."""
