@@ -227,8 +227,8 @@ def _prefetch_book(node: RunnerNode) -> PrefetchBook:
     return PrefetchBook(node.client)
 
 
-def _restorer(node: RunnerNode, book: PrefetchBook) -> Restorer:
-    return Restorer(node.runner, node.client, book)
+def _restorer(node: RunnerNode, book: PrefetchBook, metrics: Metrics) -> Restorer:
+    return Restorer(node.runner, node.client, book, metrics)
 
 
 class Container(containers.DeclarativeContainer):
@@ -311,7 +311,7 @@ class Container(containers.DeclarativeContainer):
         settings=node_settings,
     )
     prefetch_book = providers.Singleton(_prefetch_book, node)
-    restorer = providers.Singleton(_restorer, node, prefetch_book)
+    restorer = providers.Singleton(_restorer, node, prefetch_book, metrics)
     local_restorer = providers.Singleton(Restorer, runner, None, None)
 
 
@@ -342,7 +342,7 @@ def build_container(
     runner_config: RunnerConfig,
     *,
     node: NodeSettings | None = None,
-    kv_events: KvEventsSettings | None = None,
+    kv_events: KvEventsSettings | KvEventPublisher | None = None,
     inventory: str | InventoryFactory | None = None,
     **choices: str,
 ) -> Container:
@@ -350,7 +350,8 @@ def build_container(
     control); ``node`` is needed only to build a node.
 
     ``inventory`` is an adapter name or a factory around the KV-event publisher, which then
-    needs ``kv_events``.
+    needs ``kv_events``: where kvcr's own ZMQ publisher binds, or a publisher built elsewhere
+    (an engine's own event stream).
     """
     container = Container()
     names: dict[str, object] = {**DEFAULTS, **choices}
@@ -364,8 +365,10 @@ def build_container(
         container.inventory_factory.override(providers.Object(inventory))
     elif inventory is not None:
         names["inventory"] = inventory
-    if kv_events is not None:
+    if isinstance(kv_events, KvEventsSettings):
         container.kv_events.override(kv_events)
+    elif kv_events is not None:
+        container.kv_event_publisher.override(providers.Object(kv_events))
     if node is not None:
         container.node_settings.override(node)
     container.config.from_dict(names)

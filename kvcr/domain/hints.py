@@ -14,7 +14,9 @@ Accepted shapes::
     {"source_control_endpoint": "tcp://host:port", "block_hashes": [u64, ...]}      # legacy
     {"kvcr_router_hint": {"source_control_endpoint": "host:port", "block_hashes": [...]}}
 
-Either may arrive as a dict, a JSON string or JSON bytes.
+Either may arrive as a dict, a JSON string or JSON bytes. An envelope may carry several
+``kv.fetch`` actions, one per holder, best first: the first decides whether the hint is usable;
+each further one that reads cleanly (and names another endpoint) is a fallback holder.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from kvcr.domain.endpoints import WILDCARD_HOSTS, bracketed, split_host_port
 
 MAX_BLOCK_HASHES = 1 << 20
+MAX_HOLDERS = 8  # kv.fetch actions read from one envelope; further ones are ignored
 _U64_MOD = 1 << 64
 _I64_MIN = -(1 << 63)
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$")
@@ -83,17 +86,42 @@ class Endpoint:
 
 
 @dataclass(frozen=True, slots=True)
+class Holder:
+    """One replica a hint names, and the pages it is said to hold."""
+
+    source: Endpoint
+    block_hashes: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
 class FetchHint:
-    """A usable hint: which replica to lease from, and which pages it is said to hold."""
+    """A usable hint: which replica to lease from, and which pages it is said to hold.
+
+    ``more`` are further holders (one per further ``kv.fetch`` action, in the envelope's order),
+    asked for what the first one does not lease.
+    """
 
     source: Endpoint
     block_hashes: frozenset[int]
     message_id: str | None = None
     no_retain: bool = False
+    more: tuple[Holder, ...] = ()
 
     def covers(self, router_id: int) -> bool:
         """Whether the source is said to hold the page with this router identity."""
         return router_id in self.block_hashes
+
+    @property
+    def holders(self) -> tuple[Holder, ...]:
+        """Every holder, the first source first."""
+        return (Holder(self.source, self.block_hashes), *self.more)
+
+    def keeping(self, holders: tuple[Holder, ...]) -> FetchHint | None:
+        """This hint with only ``holders`` (in their order), or None when there are none."""
+        if not holders:
+            return None
+        first, *rest = holders
+        return FetchHint(first.source, first.block_hashes, self.message_id, self.no_retain, tuple(rest))
 
 
 class Rejection(str, enum.Enum):
@@ -218,10 +246,27 @@ def _parse_envelope(data: Mapping[object, object]) -> HintParse:
     actions = data.get("actions")
     if not isinstance(actions, list):
         return _refuse(Rejection.NOT_ENVELOPE, "actions must be a list")
+    first: HintParse | None = None
+    more: list[Holder] = []
     for action in actions:
         if not isinstance(action, Mapping) or action.get("action_type") != "kv.fetch":
             continue  # other actions belong to other consumers
-        if _major(action.get("action_version")) != SUPPORTED_ACTION_MAJOR:
-            return _refuse(Rejection.ACTION_VERSION, "unsupported kv.fetch action_version")
-        return _read_payload(action.get("payload"), require_scheme=True, message_id=message_id)
-    return _refuse(Rejection.NO_FETCH_ACTION, "no kv.fetch action")
+        if first is None:
+            if _major(action.get("action_version")) != SUPPORTED_ACTION_MAJOR:
+                return _refuse(Rejection.ACTION_VERSION, "unsupported kv.fetch action_version")
+            first = _read_payload(action.get("payload"), require_scheme=True, message_id=message_id)
+            if first.hint is None:
+                return first
+            continue
+        # A further holder: one that cannot be read is left out, the hint stands on the others.
+        if len(more) >= MAX_HOLDERS - 1 or _major(action.get("action_version")) != SUPPORTED_ACTION_MAJOR:
+            continue
+        lead = first.hint
+        extra = _read_payload(action.get("payload"), require_scheme=True, message_id=message_id).hint
+        if lead is None or extra is None or extra.no_retain != lead.no_retain:
+            continue
+        if extra.source not in {lead.source, *(h.source for h in more)}:
+            more.append(Holder(extra.source, extra.block_hashes))
+    if first is None or first.hint is None:
+        return _refuse(Rejection.NO_FETCH_ACTION, "no kv.fetch action")
+    return HintParse(first.hint.keeping(first.hint.holders + tuple(more))) if more else first

@@ -60,6 +60,7 @@ class MetricName(str, enum.Enum):
     DRAM_CAPACITY_BYTES = "kvcr_dram_capacity_bytes"
     BUILD_INFO = "kvcr_build_info"
     HINT_HOOKS_MISSING = "kvcr_hint_hooks_missing"
+    HINTED_PAGES = "kvcr_hinted_pages_total"
 
 
 class Path(str, enum.Enum):
@@ -98,6 +99,14 @@ class FailureReason(str, enum.Enum):
     SLOWER_THAN_RECOMPUTE = "slower_than_recompute"  # the estimated transfer exceeds recomputing the prefix
     NO_STAGING = "no_staging"  # every staging buffer is busy or quarantined
     INTERNAL = "internal"  # a bug in kvcr, caught at a boundary
+
+
+class HintedOutcome(str, enum.Enum):
+    """What became of a page a hint said a source holds, when it was asked of that source."""
+
+    LEASED = "leased"
+    MISSING = "missing"  # the source answered without it: the hint was stale
+    UNREACHABLE = "unreachable"  # no lease at all: the source is down, refused us, or is skipped
 
 
 HintRejection = Rejection
@@ -285,6 +294,12 @@ SPECS: tuple[MetricSpec, ...] = (
         Kind.COUNTER,
         "Request hints not used, by reason; the request was served from local DRAM only.",
         (("reason", _values(HintRejection)),),
+    ),
+    MetricSpec(
+        MetricName.HINTED_PAGES,
+        Kind.COUNTER,
+        "Pages a hint said a source holds, once per time they were asked of it, by what the source answered.",
+        (("outcome", _values(HintedOutcome)),),
     ),
     MetricSpec(
         MetricName.PEER_REQUESTS_REFUSED,

@@ -1,35 +1,65 @@
 """Local-then-remote restores for an engine: what is available, and reading it into host pages.
 
 An engine's query and read name pools and page keys; each pool may have a *source* (the peer
-endpoint holding its bytes, with the router identities a hint says it holds). A page is
-available for a pool when kvcr's own DRAM holds it, or its source leased it (at query time,
-through the :class:`PrefetchBook`). Reads take local pages from DRAM and the rest from the
-leases, one data-plane read per lease, and never go past the first page that is available
-nowhere (an engine consumes only the leading run).
+endpoint holding its bytes, with the router identities a hint says it holds), and a source may
+name the next one to ask (``then``: a hint with several holders, in the router's order). A page
+is available for a pool when kvcr's own DRAM holds it, or a source leased it (at query time,
+through the :class:`PrefetchBook`, or at read time). Pages a source does not lease (it is dead,
+refuses, or no longer holds them) are asked of the next source that covers them, in the same
+call. Reads take local pages from DRAM and the rest from the leases, one data-plane read per
+lease, and never go past the first page that is available nowhere (an engine consumes only the
+leading run).
+
+Every page a hint names and a source is asked for is counted once per ask in
+``kvcr_hinted_pages_total{outcome}``: ``leased``, ``missing`` (the source answered without it:
+a stale hint) or ``unreachable`` (no lease at all); per source the same tallies are kept for
+``stats`` (an endpoint is never a metric label).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvcr.domain.boundaries import leading_run
 from kvcr.domain.keys import router_id
 from kvcr.domain.outcomes import Outcome, PageOutcome
+from kvcr.ports.metric_catalogue import HintedOutcome, MetricName
+from kvcr.ports.metrics import Metrics
 from kvcr.runner.peer_client import PeerClient, PoolRead, RemoteLease
 from kvcr.runner.prefetch import Page, PrefetchBook
 from kvcr.runner.runner import KvcrRunner
 
+MAX_TALLIED_SOURCES = 64
+"""Sources tallied one by one in ``stats``; later ones share the ``"other"`` row (hints come from requests)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Source:
-    """Where a pool's missing pages may come from; ``covered`` are the router ids a hint names (None: any)."""
+    """Where a pool's missing pages may come from; ``covered`` are the router ids a hint names (None: any).
+
+    ``then`` is the next source to ask for pages this one does not lease.
+    """
 
     endpoint: str
     covered: frozenset[int] | None = None
+    then: Source | None = None
 
     def covers(self, page: str) -> bool:
         return self.covered is None or router_id(page) in self.covered
+
+    def chain(self) -> Iterator[Source]:
+        """This source, then each next one, in order."""
+        source: Source | None = self
+        while source is not None:
+            yield source
+            source = source.then
+
+    @property
+    def hinted(self) -> bool:
+        """Whether a hint named these pages (not our own writer rank, which holds every page)."""
+        return self.covered is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +73,19 @@ class ReadResult:
 class Restorer:
     """Answers an engine's hit queries and reads, local first, then from peers. Thread-safe."""
 
-    def __init__(self, runner: KvcrRunner, client: PeerClient | None, book: PrefetchBook | None) -> None:
+    def __init__(
+        self,
+        runner: KvcrRunner,
+        client: PeerClient | None,
+        book: PrefetchBook | None,
+        metrics: Metrics | None = None,
+    ) -> None:
         self._runner = runner
         self._client = client
         self._book = book
+        self._metrics = metrics
+        self._tally_lock = threading.Lock()
+        self._tally: dict[str, dict[str, int]] = {}
 
     def presence(
         self,
@@ -77,23 +116,14 @@ class Restorer:
             pool: [here or (i < span and b) for i, (here, b) in enumerate(zip(local[pool], held[pool], strict=True))]
             for pool in pools
         }
-        by_source: dict[str, list[tuple[str, list[int]]]] = {}
-        for pool in pools:
-            source = sources.get(pool)
-            if source is None:
-                continue
-            # neither here nor booked, yet reachable: its source's hint covers it
-            wanted = [i for i in range(span) if candidate[pool][i] and not present[pool][i]]
-            if wanted:
-                by_source.setdefault(source.endpoint, []).append((pool, wanted))
-        for endpoint, wanted_pools in by_source.items():
-            lease = self._client.lease(endpoint, [(pool, [keys[i] for i in idx]) for pool, idx in wanted_pools])
-            if lease is None:
-                continue
+        # neither here nor booked, yet reachable: a source's hint covers it
+        wanted = {pool: [i for i in range(span) if candidate[pool][i] and not present[pool][i]] for pool in pools}
+        pages = {pool: [keys[i] for i in idx] for pool, idx in wanted.items()}
+        for lease, asked in self._lease_along(pages, sources):
             booked: list[Page] = []
-            for pool, idx in wanted_pools:
-                for i in idx:
-                    if lease.holds(pool, keys[i]):
+            for pool, _ in asked:
+                for i in wanted[pool]:
+                    if not present[pool][i] and lease.holds(pool, keys[i]):
                         present[pool][i] = True
                         booked.append((pool, keys[i]))
             if request is None:
@@ -101,6 +131,63 @@ class Restorer:
             else:
                 book.add(lease, booked, request)
         return present
+
+    def _lease_along(
+        self, wanted: Mapping[str, list[str]], sources: Mapping[str, Source | None]
+    ) -> Iterator[tuple[RemoteLease, list[tuple[str, list[str]]]]]:
+        """Lease each pool's ``wanted`` pages down its source chain.
+
+        One LEASE per endpoint per step of the chains; a page the step's source does not lease
+        is asked of the pool's next source that covers it. Yields each lease with what was asked.
+        """
+        client = self._client
+        assert client is not None
+        steps = {pool: (source, list(wanted.get(pool, ()))) for pool, source in sources.items() if source is not None}
+        while steps:
+            by_source: dict[str, list[tuple[str, list[str]]]] = {}
+            for pool, (source, pages) in steps.items():
+                asked = [page for page in pages if source.covers(page)]
+                if asked:
+                    by_source.setdefault(source.endpoint, []).append((pool, asked))
+            leased: set[Page] = set()
+            for endpoint, asked_pools in by_source.items():
+                lease = client.lease(endpoint, asked_pools)
+                got = {(p, k) for p, pages in asked_pools for k in pages if lease is not None and lease.holds(p, k)}
+                leased |= got
+                # pages, not pools: count the first pool a hint named (every pool asks for the same pages)
+                hinted = next(((p, pages) for p, pages in asked_pools if steps[p][0].hinted), None)
+                if hinted is not None:
+                    pool, pages = hinted
+                    self._count_ask(endpoint, len(pages), sum((pool, k) in got for k in pages), lease is None)
+                if lease is not None:
+                    yield lease, asked_pools
+            nxt: dict[str, tuple[Source, list[str]]] = {}
+            for pool, (source, pages) in steps.items():
+                rest = [page for page in pages if (pool, page) not in leased]
+                if source.then is not None and rest:
+                    nxt[pool] = (source.then, rest)
+            steps = nxt
+
+    def _count_ask(self, endpoint: str, asked: int, leased: int, unreachable: bool) -> None:
+        """Count ``asked`` hinted pages asked of ``endpoint``: leased, missing, or all unreachable."""
+        if unreachable:
+            counts = {HintedOutcome.UNREACHABLE: asked}
+        else:
+            counts = {HintedOutcome.LEASED: leased, HintedOutcome.MISSING: asked - leased}
+        with self._tally_lock:
+            key = endpoint if endpoint in self._tally or len(self._tally) < MAX_TALLIED_SOURCES else "other"
+            row = self._tally.setdefault(key, {o.value: 0 for o in HintedOutcome})
+            for outcome, n in counts.items():
+                row[outcome.value] += n
+        if self._metrics is not None:
+            for outcome, n in counts.items():
+                if n:
+                    self._metrics.increment(MetricName.HINTED_PAGES, n, {"outcome": outcome})
+
+    def hinted_by_source(self) -> dict[str, dict[str, int]]:
+        """Per source endpoint: hinted pages asked of it, leased, missing (stale hint) or unreachable."""
+        with self._tally_lock:
+            return {endpoint: dict(row) for endpoint, row in self._tally.items()}
 
     def read(
         self,
@@ -149,19 +236,11 @@ class Restorer:
             (lease, set(items), True) for lease, items in book.take(wanted)
         ]
         booked = {item for _, items, _ in batches for item in items}
-        unbooked: dict[str, list[tuple[str, list[str]]]] = {}
-        for pool, (pages, _, _) in remote.items():
-            source = sources.get(pool)
-            if source is None:
-                continue
-            # Not booked (no hit query before, or its lease ran out): lease now, one round trip.
-            fresh = [page for page in pages if (pool, page) not in booked and source.covers(page)]
-            if fresh:
-                unbooked.setdefault(source.endpoint, []).append((pool, fresh))
-        for endpoint, pool_pages in unbooked.items():
-            lease = client.lease(endpoint, pool_pages)
-            if lease is not None:
-                batches.append((lease, {(pool, page) for pool, pages in pool_pages for page in pages}, False))
+        # Not booked (no hit query before, or its lease ran out): lease now, down each pool's sources.
+        fresh = {pool: [page for page in pages if (pool, page) not in booked] for pool, (pages, _, _) in remote.items()}
+        for lease, pool_pages in self._lease_along(fresh, sources):
+            held = {(pool, page) for pool, pages in pool_pages for page in pages if lease.holds(pool, page)}
+            batches.append((lease, held, False))
         uncertain: str | None = None
         for lease, items, from_book in batches:
             reads = []
@@ -215,11 +294,11 @@ def _apply(
 
 
 def _reachable(keys: Sequence[str], known: Sequence[bool], booked: Sequence[bool], source: Source | None) -> list[bool]:
-    """Per page, whether it may be had: known here, booked at hit-query time, or covered by its source's hint.
+    """Per page, whether it may be had: known here, booked at hit-query time, or covered by a source's hint.
 
     The one rule for "a peer may supply this page", used by the hit query and by how far a read goes.
     """
+    chain = tuple(source.chain()) if source is not None else ()
     return [
-        here or held or (source is not None and source.covers(page))
-        for page, here, held in zip(keys, known, booked, strict=True)
+        here or held or any(s.covers(page) for s in chain) for page, here, held in zip(keys, known, booked, strict=True)
     ]

@@ -6,6 +6,7 @@ A's side (``active_leases``): a page pinned for nothing is the failure these rul
 
 import pytest
 
+from kvcr.adapters.local import InMemoryMetrics
 from kvcr.domain.deadlines import Timing
 from kvcr.domain.keys import router_id
 from kvcr.runner.peer_client import PoolRead
@@ -501,3 +502,78 @@ def test_a_hole_after_a_booked_page_still_ends_the_read(nodes):
     holed = Source(a.endpoint, frozenset({router_id(pages[0]), router_id(pages[2])}))
     assert restorer.read({"kv": (pages, [40, 41, 42])}, {"kv": holed}).restored == {"kv": [True, False, False]}
     assert a.runner.active_leases == 0
+
+
+# ---------------------------------------------------------------------------------------------- several holders
+
+
+@pytest.fixture
+def three():
+    cluster = Cluster()
+    a = cluster.node("A", pools=POOLS, timing=TIMING)
+    b = cluster.node("B", pools=POOLS, timing=TIMING)
+    c = cluster.node("C", pools=POOLS, timing=TIMING)
+    book = PrefetchBook(c.client)
+    metrics = InMemoryMetrics(strict=True)
+    yield a, b, c, Restorer(c.runner, c.client, book, metrics), metrics
+    cluster.close()
+
+
+def hinted(endpoint, pages, then=None):
+    return Source(endpoint, frozenset(router_id(p) for p in pages), then)
+
+
+def hinted_counts(metrics):
+    snap = metrics.snapshot()
+    return {o: snap.get(f"kvcr_hinted_pages_total{{outcome={o}}}", 0) for o in ("leased", "missing", "unreachable")}
+
+
+def test_a_dead_first_holder_costs_nothing_the_second_holds_in_the_same_hit_query(three):
+    a, b, c, restorer, metrics = three
+    pages = sequence(4)
+    seed(b, pages, range(4))
+    chain = hinted("tcp://127.0.0.1:1", pages, hinted(b.endpoint, pages))
+    found = restorer.presence(pages, ["kv"], {"kv": chain}, request="r", evidence=["kv"])
+    assert found == {"kv": [True] * 4}
+    result = restorer.read({"kv": (pages, [20, 21, 22, 23])}, {"kv": chain})
+    assert result.restored == {"kv": [True] * 4}
+    assert [host_bytes(c, "kv", 20 + i) for i in range(4)] == [expected(p, "kv") for p in pages]
+    assert hinted_counts(metrics) == {"leased": 4, "missing": 0, "unreachable": 4}
+    by_source = restorer.hinted_by_source()
+    assert by_source["tcp://127.0.0.1:1"] == {"leased": 0, "missing": 0, "unreachable": 4}
+    assert by_source[b.endpoint] == {"leased": 4, "missing": 0, "unreachable": 0}
+    assert a.runner.active_leases == 0
+
+
+def test_pages_a_stale_first_holder_lacks_come_from_the_next_at_read_time(three):
+    a, b, c, restorer, metrics = three
+    pages = sequence(4)
+    seed(a, pages[:2], [0, 1])  # A's hint is stale for the last two pages
+    seed(b, pages, range(4))
+    chain = hinted(a.endpoint, pages, hinted(b.endpoint, pages))
+    result = restorer.read({"kv": (pages, [30, 31, 32, 33])}, {"kv": chain})  # no hit query before
+    assert result.restored == {"kv": [True] * 4}
+    assert [host_bytes(c, "kv", 30 + i) for i in range(4)] == [expected(p, "kv") for p in pages]
+    assert restorer.hinted_by_source()[a.endpoint] == {"leased": 2, "missing": 2, "unreachable": 0}
+    assert restorer.hinted_by_source()[b.endpoint] == {"leased": 2, "missing": 0, "unreachable": 0}
+    assert hinted_counts(metrics) == {"leased": 4, "missing": 2, "unreachable": 0}
+    assert a.runner.active_leases == 0 and b.runner.active_leases == 0
+
+
+def test_a_second_holder_is_asked_only_for_pages_it_is_said_to_hold(three):
+    a, b, _c, restorer, _ = three
+    pages = sequence(3)
+    seed(b, pages, range(3))
+    chain = hinted(a.endpoint, pages, hinted(b.endpoint, pages[:1]))  # A holds nothing
+    found = restorer.presence(pages, ["kv"], {"kv": chain}, request="r", evidence=["kv"])
+    assert found == {"kv": [True, False, False]}
+    assert restorer.hinted_by_source()[b.endpoint] == {"leased": 1, "missing": 0, "unreachable": 0}
+
+
+def test_pages_without_a_hint_are_not_counted_as_hinted(three):
+    _a, b, _c, restorer, metrics = three
+    pages = sequence(2)
+    seed(b, pages, [0, 1])
+    restorer.presence(pages, ["kv"], {"kv": Source(b.endpoint)}, evidence=["kv"])  # our own writer rank
+    assert hinted_counts(metrics) == {"leased": 0, "missing": 0, "unreachable": 0}
+    assert restorer.hinted_by_source() == {}

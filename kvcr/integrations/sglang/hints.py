@@ -52,10 +52,10 @@ class HintReader:
         if hint is None:
             self._reject(parsed.code or Rejection.UNREADABLE, parsed.reason or "unusable")
             return None
-        if not self._settings.allows(hint.source.host):
+        allowed = hint.keeping(tuple(h for h in hint.holders if self._settings.allows(h.source.host)))
+        if allowed is None:
             self._reject(Rejection.NOT_ALLOWED, "source is not in peer_allowlist")
-            return None
-        return hint
+        return allowed
 
     def _reject(self, code: Rejection, reason: str) -> None:
         with self._lock:

@@ -128,9 +128,13 @@ class KvcrHiCacheStorage(HiCacheStorage):
         for pool in pools:
             shared = replicated(pool, self.storage_config)
             if hint is not None:
-                endpoint = str(hint.source.offset(layout.source_offset(shared)))
-                if endpoint != node.endpoint:
-                    sources[pool] = Source(endpoint, hint.block_hashes)
+                chain: Source | None = None
+                for held in reversed(hint.holders):  # the router's order: its best source first
+                    endpoint = str(held.source.offset(layout.source_offset(shared)))
+                    if endpoint != node.endpoint:
+                        chain = Source(endpoint, held.block_hashes, chain)
+                if chain is not None:
+                    sources[pool] = chain
                     continue
             if shared and not layout.is_writer:
                 # Replicated KV is backed up by our replica's writer rank only: read it from there.
@@ -382,6 +386,7 @@ class KvcrHiCacheStorage(HiCacheStorage):
             "counters": stats.counters,
             "hints_rejected": self._hints.rejected if self._hints else {},
             "held_remote_pages": started.restorer.booked,
+            "hinted_by_source": started.restorer.hinted_by_source(),
             "kv_events": started.kv_events.stats() if started.kv_events else None,
         }
 
