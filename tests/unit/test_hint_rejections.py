@@ -137,3 +137,22 @@ def test_endpoints_at_the_limits_parse():
     assert Endpoint.parse("tcp://h:00001").port == 1  # five digits at most, leading zeros allowed
     assert Endpoint.parse("h:7", require_scheme=False) == Endpoint("h", 7)
     assert Endpoint.parse("tcp://[fe80::1]:9") == Endpoint("fe80::1", 9)
+
+
+def test_the_allowlist_keeps_the_allowed_holders_in_order_and_refuses_a_hint_with_none():
+    from types import SimpleNamespace
+
+    from kvcr.adapters.local import InMemoryMetrics
+    from kvcr.integrations.sglang.hints import HintReader
+    from kvcr.integrations.shared.settings import KvcrSettings
+
+    env = envelope()
+    for host in ("10.0.0.2", "10.0.0.3"):
+        payload = {"source_control_endpoint": f"tcp://{host}:25000", "block_hashes": [1]}
+        env["actions"].append({"action_type": "kv.fetch", "action_version": "1.0", "payload": payload})
+    reader = HintReader(KvcrSettings(peer_allowlist=("10.0.0.3", "10.0.0.2")), InMemoryMetrics(strict=True))
+    hint = reader.read(SimpleNamespace(extra_info={"kv_hints": env}))
+    assert [str(h.source) for h in hint.holders] == ["tcp://10.0.0.2:25000", "tcp://10.0.0.3:25000"]
+    none = HintReader(KvcrSettings(peer_allowlist=("10.9.9.9",)), InMemoryMetrics(strict=True))
+    assert none.read(SimpleNamespace(extra_info={"kv_hints": env})) is None
+    assert none.rejected == {"source_not_allowed": 1}

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcr.domain.hints import Endpoint, parse_hint
+from kvcr.domain.hints import MAX_HOLDERS, Endpoint, parse_hint
 
 H1, H2 = 8555385130606689895, 3500275532943567847
 
@@ -45,6 +45,52 @@ def test_other_actions_are_skipped_and_first_kv_fetch_used():
     env = envelope()
     env["actions"].insert(0, {"action_type": "kv.prefetch", "action_version": "9.0", "payload": {}})
     assert parse_hint(env).usable
+
+
+def fetch(endpoint, hashes, version="1.0", **extra):
+    payload = {"source_control_endpoint": endpoint, "block_hashes": hashes, **extra}
+    return {"action_type": "kv.fetch", "action_version": version, "payload": payload}
+
+
+def test_further_kv_fetch_actions_are_fallback_holders_in_order():
+    env = envelope()
+    env["actions"] += [fetch("tcp://10.0.0.2:25000", [H1]), fetch("tcp://10.0.0.3:25000", [H2])]
+    hint = parse_hint(env).hint
+    assert [str(h.source) for h in hint.holders] == [
+        "tcp://10.0.0.1:25000",
+        "tcp://10.0.0.2:25000",
+        "tcp://10.0.0.3:25000",
+    ]
+    assert [h.block_hashes for h in hint.holders] == [frozenset({H1, H2}), frozenset({H1}), frozenset({H2})]
+    assert hint.source == Endpoint("10.0.0.1", 25000)  # the first holder is still the hint's source
+
+
+def test_a_further_holder_that_cannot_be_read_or_repeats_one_is_left_out():
+    env = envelope()
+    env["actions"] += [
+        fetch("not an endpoint", [H1]),
+        fetch("tcp://10.0.0.2:25000", []),
+        fetch("tcp://10.0.0.2:25000", [H1], version="2.0"),
+        fetch("tcp://10.0.0.1:25000", [H1]),  # the first holder again
+        fetch("tcp://10.0.0.2:25000", [H1], mode="move"),
+        fetch("tcp://10.0.0.2:25000", [H1], no_retain=True),
+        fetch("tcp://10.0.0.4:25000", [H2]),
+    ]
+    assert [str(h.source) for h in parse_hint(env).hint.holders] == ["tcp://10.0.0.1:25000", "tcp://10.0.0.4:25000"]
+
+
+def test_holders_are_capped_and_a_bad_first_action_still_refuses_the_hint():
+    env = envelope()
+    env["actions"] += [fetch(f"tcp://10.0.1.{i}:25000", [H1]) for i in range(20)]
+    assert len(parse_hint(env).hint.holders) == MAX_HOLDERS
+    bad_first = {**envelope(), "actions": [fetch("nope", [H1]), fetch("tcp://10.0.0.2:1", [H1])]}
+    assert not parse_hint(bad_first).usable
+
+
+def test_keeping_no_holder_leaves_no_hint():
+    hint = parse_hint(envelope()).hint
+    assert hint.keeping(()) is None
+    assert hint.keeping(hint.holders) == hint
 
 
 @pytest.mark.parametrize(
