@@ -13,9 +13,9 @@ from kvcr.integrations.shared.settings import KvcrSettings, parse_settings, read
 KNOWN = (
     "abandon_timeout_ms, allow_unauthenticated, auth_token_file, connect_timeout_ms, control_advertise_host, "
     "control_handshake_ms, control_host, control_port, control_timeout_ms, dram_bytes, enable_remote_hint, "
-    "kv_events_endpoint, kv_events_topic, landing, lease_ms, max_peer_links, node_key_file, operation_timeout_ms, "
-    "page_digest, peer_allowlist, peer_directory_file, peer_lease_share, peer_retry_ms, policy, read_batch_pages, "
-    "recompute_tokens_per_s, rotation_token_files, same_host_shm, transport, verify_bytes"
+    "engine_kv_events, kv_events_endpoint, kv_events_topic, landing, lease_ms, max_peer_links, node_key_file, "
+    "operation_timeout_ms, page_digest, peer_allowlist, peer_directory_file, peer_lease_share, peer_retry_ms, policy, "
+    "read_batch_pages, recompute_tokens_per_s, rotation_token_files, same_host_shm, transport, verify_bytes"
 )
 
 

@@ -55,6 +55,14 @@ TOKEN_POINTS: tuple[HookPoint, ...] = (
 )
 """What KV events need: a backup's page tokens."""
 
+STREAM_POINTS: tuple[HookPoint, ...] = (
+    HookPoint(
+        "sglang.srt.managers.scheduler_components.kv_events_publisher.SchedulerKvEventsPublisher.init_kv_events",
+        ("self", "kv_events_config"),
+    ),
+)
+"""What puts kvcr's residency on SGLang's own KV-event stream: the scheduler's publisher, once built."""
+
 
 def problems(points: Sequence[HookPoint]) -> list[str]:
     """One line per point that cannot be found or whose leading parameters are not the expected ones."""

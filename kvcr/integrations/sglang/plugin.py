@@ -41,7 +41,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvcr.integrations.sglang import hook_points
+from kvcr.integrations.sglang import engine_events, hook_points
 from kvcr.integrations.shared import dynamo_sglang, hints_bridge
 from kvcr.integrations.shared.page_tokens import default_registry
 
@@ -151,6 +151,14 @@ def _capture_backup_tokens(
     return original(controller, operation, *args, **kwargs)
 
 
+def _engine_publisher_built(result: Any, events: Any, *args: Any, **kwargs: Any) -> None:
+    del result, args, kwargs  # an AFTER hook: None keeps the original's result
+    try:
+        engine_events.engine_publisher_ready(getattr(events, "kv_event_publisher", None))
+    except Exception:  # the router then misses kvcr's tier; SGLang's own events are untouched
+        log.warning("kvcr: could not reach SGLang's KV-event publisher; kvcr's tier stays unpublished", exc_info=True)
+
+
 def _builtins(hints: Any) -> Any:
     if isinstance(hints, (dict, str, bytes)):
         return hints
@@ -175,6 +183,7 @@ _WRAPPERS: dict[str, tuple[Callable[..., Any], str]] = {
     "_sync_prefetch_hit_query": (_trim_to_synced_hit, "AROUND"),
     "revoke_pending_prefetch": (_finish_revoked, "AFTER"),
     "_page_backup": (_capture_backup_tokens, "AROUND"),
+    "init_kv_events": (_engine_publisher_built, "AFTER"),
 }
 """kvcr's wrapper for each hooked method, and how SGLang's registry applies it."""
 
@@ -201,7 +210,8 @@ def load() -> None:
 
     hints_missing = hook_points.problems(hook_points.HINT_POINTS)
     tokens_missing = hook_points.problems(hook_points.TOKEN_POINTS)
-    hook_points.record([*hints_missing, *tokens_missing])
+    stream_missing = hook_points.problems(hook_points.STREAM_POINTS)
+    hook_points.record([*hints_missing, *tokens_missing, *stream_missing])
     if hints_missing:
         log.error(
             "kvcr: request hints are OFF: this SGLang's hook points are not what kvcr's plugin wraps (%s); "
@@ -217,7 +227,15 @@ def load() -> None:
         )
     else:
         _register(HookRegistry, HookType, hook_points.TOKEN_POINTS)
+    if stream_missing:
+        log.error(
+            "kvcr: the router cannot see kvcr's tier: this SGLang's KV-event publisher is not where kvcr's plugin "
+            "finds it (%s); set kv_events_endpoint to publish on a socket of kvcr's own",
+            "; ".join(stream_missing),
+        )
+    else:
+        _register(HookRegistry, HookType, hook_points.STREAM_POINTS)
     _loaded = True
     _install_dynamo_host_hooks()
-    if not hints_missing and not tokens_missing:
+    if not hints_missing and not tokens_missing and not stream_missing:
         log.info("kvcr: request hints are forwarded to the HiCache storage backend; backed-up page tokens are captured")

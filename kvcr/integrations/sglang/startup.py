@@ -26,6 +26,7 @@ from kvcr.domain.pools import HitPolicy
 from kvcr.domain.topology import RankLayout
 from kvcr.domain.transports import Transport
 from kvcr.integrations.sglang import hook_points
+from kvcr.integrations.sglang.engine_events import EngineEventStream, engine_publishes_events
 from kvcr.integrations.sglang.pools import DescribedPool, describe_host_pool
 from kvcr.integrations.shared.kv_events import DynamoInventorySink
 from kvcr.integrations.shared.page_tokens import default_registry
@@ -248,9 +249,17 @@ def start(
         runner.namespace,
         {n: d.spec.page_bytes for n, d in described.items()},
         node.endpoint if node is not None else "none (local only)",
-        kv_events.endpoint if kv_events is not None else "off",
+        _shown_events(kv_events),
     )
     return Started(runner, node, restorer, metrics, described, layout, sink[0] if sink else None)
+
+
+def _shown_events(kv_events: KvEventsSettings | KvEventPublisher | None) -> str:
+    if kv_events is None:
+        return "off"
+    if isinstance(kv_events, KvEventsSettings):
+        return kv_events.endpoint
+    return "on SGLang's own KV-event stream"
 
 
 def _node(container: Any, settings: KvcrSettings, layout: RankLayout) -> RunnerNode:
@@ -275,16 +284,23 @@ def _with_shard(described: DescribedPool, layout: RankLayout, config: Any) -> De
 
 def _kv_events(
     settings: KvcrSettings, layout: RankLayout, page_size: int, sink: list[DynamoInventorySink]
-) -> tuple[KvEventsSettings | None, InventoryFactory | None]:
-    """The KV-event publisher of this DP replica, if configured and this rank publishes.
+) -> tuple[KvEventsSettings | KvEventPublisher | None, InventoryFactory | None]:
+    """The KV-event publisher of this DP replica, if this rank publishes, and the sink around it.
 
     One publisher per DP replica, on its attention rank 0 (the rank that holds the replica's
-    pages in every layout, and the rank a hint's endpoint names); DP replica ``d`` binds the
-    configured port + ``d``, as SGLang's own KV-event publishers do.
+    pages in every layout, and the rank a hint's endpoint names). With ``kv_events_endpoint``
+    kvcr binds its own PUB there (DP replica ``d`` binds the configured port + ``d``, as SGLang's
+    own KV-event publishers do); without it, and when SGLang publishes KV events on this rank,
+    kvcr's events join SGLang's own stream (``engine_kv_events``), which is the one stream
+    Dynamo's ``dynamo.sglang`` worker relays to its router.
     """
     endpoint = settings.kv_events_endpoint
-    if endpoint is None or layout.rank_offset != 0:
+    if layout.rank_offset != 0:
         return None, None
+    if endpoint is None:
+        if not (settings.engine_kv_events and engine_publishes_events()):
+            return None, None
+        return EngineEventStream(), _sink_factory(page_size, sink)
     if layout.dp_rank:
         split = split_host_port(endpoint.removeprefix("tcp://"))  # checked when the settings were parsed
         assert split is not None
@@ -292,6 +308,10 @@ def _kv_events(
         if port > 65535:
             raise ConfigError(f"kv_events_endpoint port {split.port} + dp rank {layout.dp_rank} runs past 65535")
         endpoint = f"tcp://{bracketed(split.host) if split.bracketed else split.host}:{port}"
+    return KvEventsSettings(endpoint, settings.kv_events_topic, layout.dp_rank), _sink_factory(page_size, sink)
+
+
+def _sink_factory(page_size: int, sink: list[DynamoInventorySink]) -> InventoryFactory:
     registry = default_registry()
     registry.enable()  # the plugin's backup hook records page tokens from now on
 
@@ -299,4 +319,4 @@ def _kv_events(
         sink.append(DynamoInventorySink(publisher, block_size=page_size, tokens=registry))
         return sink[-1]
 
-    return KvEventsSettings(endpoint, settings.kv_events_topic, layout.dp_rank), factory
+    return factory

@@ -35,14 +35,20 @@ log = logging.getLogger(__name__)
 MEDIUM = "CPU_TIER1"
 """The storage medium every event names.
 
-Dynamo 1.6.1 maps ``CPU``, ``CPU_PINNED`` and ``CPU_TIER1`` to its HostPinned tier (``DISK``,
-``NVME`` and ``CPU_TIER2`` to Disk, ``EXTERNAL``/``REMOTE``/``SHARED`` to External, anything
-GPU-like or absent to Device). kvcr's pages sit in host DRAM that kvcr owns, one tier below
-SGLang's own host pool, which SGLang itself labels ``CPU_PINNED``: ``CPU_TIER1`` says exactly
-that (the first host tier), lands in the tier the router's cost model credits at the host weight
-(0.75 by default, as a DRAM restore deserves: not the device credit, not the disk one), and keeps
-kvcr's events distinguishable from SGLang's own in captures and logs. Not ``EXTERNAL``: the
-bytes belong to this worker, not to a shared pool.
+Dynamo 1.6.1 and 1.7 map ``CPU``, ``CPU_PINNED`` and ``CPU_TIER1`` to their host tier (``DISK``,
+``NVME`` and ``CPU_TIER2`` to disk, ``EXTERNAL``/``REMOTE``/``SHARED`` to external, anything
+GPU-like or absent to device). kvcr's pages sit in host DRAM that kvcr owns, which is what the
+host tier means, and it is the right tier for three reasons:
+
+- the router builds hints only from device and host residency, never from disk or external;
+- its cost model credits host hits at the host weight (0.75 by default), disk at 0.25;
+- Dynamo's relay counts stores per (DP rank, tier, block): when kvcr's events share SGLang's own
+  stream (``engine_kv_events``), SGLang's ``BlockRemoved`` for an L2 eviction only lowers the
+  count of a page kvcr also stored, and the page stays routable and hintable until kvcr's own
+  ``BlockRemoved``. (SGLang labels its L2 ``CPU``; ``CPU_TIER1`` keeps kvcr's events
+  distinguishable in captures and logs.)
+
+Not ``EXTERNAL``: the bytes belong to this worker, not to a shared pool.
 """
 
 

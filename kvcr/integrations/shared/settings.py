@@ -85,6 +85,7 @@ class KvcrSettings:
     policy: str = "lru"
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kv-events"
+    engine_kv_events: bool = True
 
     def timing(self) -> Timing:
         """The one Timing every part of this rank's kvcr uses."""
@@ -227,6 +228,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "policy": (str,),
     "kv_events_endpoint": (str, type(None)),
     "kv_events_topic": (str,),
+    "engine_kv_events": (bool,),
 }
 _TIMES = ("operation_timeout_ms", "abandon_timeout_ms", "control_timeout_ms", "connect_timeout_ms", "lease_ms")
 
