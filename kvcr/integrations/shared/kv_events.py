@@ -15,9 +15,10 @@ Dynamo places a stored block by its token ids and its parent, which SGLang's sto
 not carry (the parent only with ``hicache_storage_pass_prefix_keys``): they come from a
 page-token registry that kvcr's SGLang plugin fills at backup time. A stored page whose tokens,
 or (for the first page of an event) whose parent, are unknown is left out, and so is every page
-after it in that event (their parent would be unknown to the router). Side pools (indexer,
-Mamba, SWA) are not published: the router indexes prefixes, and the KV anchor is what decides
-whether a prefix is held.
+after it in that event (their parent would be unknown to the router). A removal names only
+pages this sink announced, so stores and removals balance, as Dynamo's per-tier counts need.
+Side pools (indexer, Mamba, SWA) are not published: the router indexes prefixes, and the KV
+anchor is what decides whether a prefix is held.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ class DynamoInventorySink:
         self._lock = threading.Lock()
         self._closed = False
         self._warned_unplaced = False
+        # The router ids this sink announced and has not removed: a removal names only these. On
+        # SGLang's own stream Dynamo counts stores per block and tier, so removing a page kvcr never
+        # announced (its tokens were unknown) would take away a count of SGLang's own L2 copy.
+        self._announced: set[int] = set()
         self._counts = {
             "stored_pages": 0,
             "removed_pages": 0,
@@ -97,16 +102,23 @@ class DynamoInventorySink:
 
     def publish(self, event: InventoryEvent) -> None:
         if event.kind is InventoryKind.CLEARED:
+            with self._lock:
+                self._announced.clear()
             self._send({"type": "AllBlocksCleared"}, "cleared", 1)
         elif event.pool != self._pool:
             self._count("side_pool_events", 1)
         elif event.kind is InventoryKind.STORED:
             self._stored(event)
         elif event.kind is InventoryKind.REMOVED and event.page_hashes:
-            hashes = [router_id_signed(page) for page in event.page_hashes]
-            self._send(
-                {"type": "BlockRemoved", "block_hashes": hashes, "medium": self._medium}, "removed_pages", len(hashes)
-            )
+            with self._lock:
+                hashes = [h for page in event.page_hashes if (h := router_id_signed(page)) in self._announced]
+                self._announced.difference_update(hashes)
+            if hashes:
+                self._send(
+                    {"type": "BlockRemoved", "block_hashes": hashes, "medium": self._medium},
+                    "removed_pages",
+                    len(hashes),
+                )
 
     def _stored(self, event: InventoryEvent) -> None:
         hashes: list[int] = []
@@ -135,6 +147,8 @@ class DynamoInventorySink:
             token_ids.extend(captured.tokens)
         if not hashes:
             return
+        with self._lock:
+            self._announced.update(hashes)
         stored: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": hashes,

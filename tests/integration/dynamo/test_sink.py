@@ -106,6 +106,27 @@ def test_pages_with_unknown_tokens_and_everything_after_them_are_left_out():
     assert sink.stats()["skipped_pages"] == 4
 
 
+def test_a_removal_names_only_pages_the_sink_announced_once():
+    # On SGLang's own stream Dynamo counts stores per block and tier: a removal of a page kvcr never
+    # announced would take away the count of SGLang's own L2 copy.
+    tokens = list(range(300, 300 + 2 * P))
+    pages = page_hashes(tokens, P)
+    unknown = page_hash(list(range(900, 900 + P)), None)
+    publisher = FakePublisher()
+    sink = DynamoInventorySink(publisher, block_size=P, tokens=registry_with(tokens))
+    sink.publish(InventoryEvent(InventoryKind.STORED, "kv", (pages[0],), None))
+    sink.publish(InventoryEvent(InventoryKind.REMOVED, "kv", (unknown,)))  # never announced: nothing sent
+    sink.publish(InventoryEvent(InventoryKind.REMOVED, "kv", (pages[0], pages[1])))
+    sink.publish(InventoryEvent(InventoryKind.REMOVED, "kv", (pages[0],)))  # already removed: nothing sent
+    removals = [e for e in publisher.events if e["type"] == "BlockRemoved"]
+    assert removals == [{"type": "BlockRemoved", "block_hashes": [router_id_signed(pages[0])], "medium": MEDIUM}]
+    sink.publish(InventoryEvent(InventoryKind.STORED, "kv", (pages[0],), None))
+    sink.publish(InventoryEvent(InventoryKind.CLEARED))
+    sink.publish(InventoryEvent(InventoryKind.REMOVED, "kv", (pages[0],)))  # the clear took it already
+    assert [e["type"] for e in publisher.events][-2:] == ["BlockStored", "AllBlocksCleared"]
+    assert sink.stats()["removed_pages"] == 1
+
+
 def test_side_pools_are_not_published_and_close_clears_then_closes():
     tokens = list(range(P))
     pages = page_hashes(tokens, P)
