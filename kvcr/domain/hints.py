@@ -262,11 +262,11 @@ def _parse_envelope(data: Mapping[object, object]) -> HintParse:
         if len(more) >= MAX_HOLDERS - 1 or _major(action.get("action_version")) != SUPPORTED_ACTION_MAJOR:
             continue
         lead = first.hint
-        extra = _read_payload(action.get("payload"), require_scheme=True, message_id=message_id).hint
+        extra = _read_payload(action.get("payload"), require_scheme=True, message_id=None).hint
         if lead is None or extra is None or extra.no_retain != lead.no_retain:
             continue
         if extra.source not in {lead.source, *(h.source for h in more)}:
             more.append(Holder(extra.source, extra.block_hashes))
     if first is None or first.hint is None:
         return _refuse(Rejection.NO_FETCH_ACTION, "no kv.fetch action")
-    return HintParse(first.hint.keeping(first.hint.holders + tuple(more))) if more else first
+    return HintParse(first.hint.keeping(first.hint.holders + tuple(more)))

@@ -69,6 +69,7 @@ def test_a_further_holder_that_cannot_be_read_or_repeats_one_is_left_out():
     env = envelope()
     env["actions"] += [
         fetch("not an endpoint", [H1]),
+        fetch("10.0.0.9:25000", [H1]),  # no tcp:// scheme, which an envelope's endpoints need
         fetch("tcp://10.0.0.2:25000", []),
         fetch("tcp://10.0.0.2:25000", [H1], version="2.0"),
         fetch("tcp://10.0.0.1:25000", [H1]),  # the first holder again
@@ -82,7 +83,7 @@ def test_a_further_holder_that_cannot_be_read_or_repeats_one_is_left_out():
 def test_holders_are_capped_and_a_bad_first_action_still_refuses_the_hint():
     env = envelope()
     env["actions"] += [fetch(f"tcp://10.0.1.{i}:25000", [H1]) for i in range(20)]
-    assert len(parse_hint(env).hint.holders) == MAX_HOLDERS
+    assert len(parse_hint(env).hint.holders) == MAX_HOLDERS == 8
     bad_first = {**envelope(), "actions": [fetch("nope", [H1]), fetch("tcp://10.0.0.2:1", [H1])]}
     assert not parse_hint(bad_first).usable
 
