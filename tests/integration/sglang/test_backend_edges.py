@@ -253,10 +253,11 @@ def test_exists_of_a_malformed_key_is_false(store):
 def test_the_stats_page_names_what_an_operator_looks_for(store):
     stats = store.kvcr_stats()
     names = {"namespace", "endpoint", "pools", "counters", "hints_rejected", "held_remote_pages", "kv_events"}
+    names |= {"hinted_by_source"}
     assert set(stats) == names
     assert stats["namespace"] == store.runner.namespace and stats["endpoint"] is None  # no control port
     assert stats["pools"][0]["pool"] == "kv" and stats["hints_rejected"] == {} and stats["kv_events"] is None
-    assert stats["held_remote_pages"] == 0
+    assert stats["held_remote_pages"] == 0 and stats["hinted_by_source"] == {}
 
 
 def test_a_served_rank_shows_its_endpoint(tmp_path):
