@@ -232,33 +232,45 @@ class Restorer:
         sources: Mapping[str, Source | None],
     ) -> ReadResult:
         wanted: list[Page] = [(pool, page) for pool, (pages, _, _) in remote.items() for page in pages]
-        batches: list[tuple[RemoteLease, set[Page], bool]] = [
-            (lease, set(items), True) for lease, items in book.take(wanted)
-        ]
-        booked = {item for _, items, _ in batches for item in items}
+        taken = book.take(wanted)
+        booked = {item for _, items in taken for item in items}
+        uncertain: str | None = None
+        # What the hit query leased is read before anything else is asked: a source that refuses the
+        # rest (closing, say) has its link dropped, which must not cost the pages it already leased.
+        for lease, items in taken:
+            uncertain = self._read_lease(client, lease, set(items), remote, restored, book) or uncertain
         # Not booked (no hit query before, or its lease ran out): lease now, down each pool's sources.
         fresh = {pool: [page for page in pages if (pool, page) not in booked] for pool, (pages, _, _) in remote.items()}
         for lease, pool_pages in self._lease_along(fresh, sources):
             held = {(pool, page) for pool, pages in pool_pages for page in pages if lease.holds(pool, page)}
-            batches.append((lease, held, False))
-        uncertain: str | None = None
-        for lease, items, from_book in batches:
-            reads = []
-            positions: dict[str, list[int]] = {}
-            for pool, (pages, slots, where) in remote.items():
-                chosen = [k for k, page in enumerate(pages) if (pool, page) in items]
-                if chosen:
-                    reads.append(PoolRead(pool, [pages[k] for k in chosen], [slots[k] for k in chosen]))
-                    positions[pool] = [where[k] for k in chosen]
-            try:
-                outcomes = client.read(lease, reads)
-            finally:
-                if from_book:
-                    book.done(items)
-                else:
-                    client.release(lease)
-            uncertain = uncertain or _apply(outcomes, positions, restored)
+            uncertain = self._read_lease(client, lease, held, remote, restored, None) or uncertain
         return ReadResult(restored, uncertain)
+
+    @staticmethod
+    def _read_lease(
+        client: PeerClient,
+        lease: RemoteLease,
+        items: set[Page],
+        remote: Mapping[str, tuple[list[str], list[int], list[int]]],
+        restored: dict[str, list[bool]],
+        book: PrefetchBook | None,
+    ) -> str | None:
+        """Read ``items`` of one lease into their slots, then give it back (to ``book``, or release it)."""
+        reads = []
+        positions: dict[str, list[int]] = {}
+        for pool, (pages, slots, where) in remote.items():
+            chosen = [k for k, page in enumerate(pages) if (pool, page) in items]
+            if chosen:
+                reads.append(PoolRead(pool, [pages[k] for k in chosen], [slots[k] for k in chosen]))
+                positions[pool] = [where[k] for k in chosen]
+        try:
+            outcomes = client.read(lease, reads)
+        finally:
+            if book is not None:
+                book.done(items)
+            else:
+                client.release(lease)
+        return _apply(outcomes, positions, restored)
 
     def finish(self, request: str) -> None:
         """The engine's prefetch for ``request`` ended: release what it never read."""

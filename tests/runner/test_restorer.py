@@ -577,3 +577,18 @@ def test_pages_without_a_hint_are_not_counted_as_hinted(three):
     restorer.presence(pages, ["kv"], {"kv": Source(b.endpoint)}, evidence=["kv"])  # our own writer rank
     assert hinted_counts(metrics) == {"leased": 0, "missing": 0, "unreachable": 0}
     assert restorer.hinted_by_source() == {}
+
+
+def test_a_closing_source_still_gives_what_it_leased_and_refuses_only_the_rest(nodes):
+    # A prefetch booked part of the prefix (a per-peer quota, say), then the source began a graceful
+    # close: its refusal of the rest must not cost the pages it already leased to us.
+    _, a, b, _, restorer = nodes
+    pages = sequence(4)
+    seed(a, pages, range(4))
+    source = {"kv": Source(a.endpoint)}
+    assert restorer.presence(pages[:2], ["kv"], source, request="r", evidence=["kv"]) == {"kv": [True, True]}
+    a.server.close_to_new_work()
+    result = restorer.read({"kv": (pages, [40, 41, 42, 43])}, source)
+    assert result.restored == {"kv": [True, True, False, False]}
+    assert [host_bytes(b, "kv", 40 + i) for i in range(2)] == [expected(p, "kv") for p in pages[:2]]
+    assert a.runner.active_leases == 0 and restorer.booked == 0  # released: the source's close need not wait
