@@ -223,8 +223,8 @@ def _zmq_control(settings: NodeSettings, metrics: Metrics) -> ControlChannel:
     )
 
 
-def _prefetch_book(node: RunnerNode) -> PrefetchBook:
-    return PrefetchBook(node.client)
+def _prefetch_book(node: RunnerNode, metrics: Metrics) -> PrefetchBook:
+    return PrefetchBook(node.client, metrics)
 
 
 def _restorer(node: RunnerNode, book: PrefetchBook, metrics: Metrics) -> Restorer:
@@ -310,7 +310,7 @@ class Container(containers.DeclarativeContainer):
         host_regions=host_regions,
         settings=node_settings,
     )
-    prefetch_book = providers.Singleton(_prefetch_book, node)
+    prefetch_book = providers.Singleton(_prefetch_book, node, metrics)
     restorer = providers.Singleton(_restorer, node, prefetch_book, metrics)
     local_restorer = providers.Singleton(Restorer, runner, None, None)
 

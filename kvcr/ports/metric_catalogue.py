@@ -61,6 +61,7 @@ class MetricName(str, enum.Enum):
     BUILD_INFO = "kvcr_build_info"
     HINT_HOOKS_MISSING = "kvcr_hint_hooks_missing"
     HINTED_PAGES = "kvcr_hinted_pages_total"
+    UNREAD_PAGES = "kvcr_unread_pages_total"
 
 
 class Path(str, enum.Enum):
@@ -107,6 +108,14 @@ class HintedOutcome(str, enum.Enum):
     LEASED = "leased"
     MISSING = "missing"  # the source answered without it: the hint was stale
     UNREACHABLE = "unreachable"  # no lease at all: the source is down, refused us, or is skipped
+
+
+class UnreadReason(str, enum.Enum):
+    """Why pages leased from a peer at hit-query time were never read (their lease was given back)."""
+
+    TRIMMED = "trimmed"  # the engine cut the hit (SGLang's MIN across ranks)
+    PREFETCH_ENDED = "prefetch_ended"  # the engine ended the request's prefetch first
+    EXPIRED = "expired"  # the lease ran out before the read
 
 
 HintRejection = Rejection
@@ -300,6 +309,12 @@ SPECS: tuple[MetricSpec, ...] = (
         Kind.COUNTER,
         "Pages a hint said a source holds, once per time they were asked of it, by what the source answered.",
         (("outcome", _values(HintedOutcome)),),
+    ),
+    MetricSpec(
+        MetricName.UNREAD_PAGES,
+        Kind.COUNTER,
+        "Pages leased from a peer at hit-query time and never read, by why; the engine recomputed them.",
+        (("reason", _values(UnreadReason)),),
     ),
     MetricSpec(
         MetricName.PEER_REQUESTS_REFUSED,

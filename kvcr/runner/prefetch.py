@@ -11,15 +11,38 @@ book holds those leases between the two calls, keyed by (pool, page):
   revoked (``finish``), and when a lease can no longer be read in time (``sweep``, run on every
   call);
 - a lease is released (one-way) once every page it holds was read or dropped.
+
+A page leased and never read is a source's work for nothing, and a prefix the target then
+recomputed: each is counted in ``kvcr_unread_pages_total{reason}`` (``trimmed``: the engine cut
+the hit; ``prefetch_ended``: the engine ended the request's prefetch before reading them, e.g.
+its prefetch policy stopped waiting; ``expired``: the lease ran out before the read), and the
+first of each reason in an interval is logged with what to do about it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvcr.ports.metric_catalogue import MetricName, UnreadReason
+from kvcr.ports.metrics import Metrics
 from kvcr.runner.peer_client import PeerClient, RemoteLease
+
+log = logging.getLogger(__name__)
+
+_LOG_EVERY_S = 10.0
+_ADVICE = {
+    UnreadReason.TRIMMED: "another rank of this engine held fewer pages (SGLang's MIN across ranks)",
+    UnreadReason.PREFETCH_ENDED: (
+        "SGLang ended the request's prefetch before reading them; with hicache_storage_prefetch_policy "
+        "best_effort a busy scheduler does not wait: run timeout (its default) and keep prefetch_timeout_base "
+        "above a peer's first contact"
+    ),
+    UnreadReason.EXPIRED: "the lease ran out before the read; raise lease_ms above SGLang's prefetch wait",
+}
 
 Page = tuple[str, str]  # (pool, page hash)
 
@@ -34,8 +57,10 @@ class _Held:
 class PrefetchBook:
     """Remote leases taken at hit-query time, waiting for the reads. Thread-safe."""
 
-    def __init__(self, client: PeerClient) -> None:
+    def __init__(self, client: PeerClient, metrics: Metrics | None = None) -> None:
         self._client = client
+        self._metrics = metrics
+        self._logged: dict[UnreadReason, float] = {}
         self._lock = threading.Lock()
         self._pages: dict[Page, _Held] = {}
         self._requests: dict[str, set[int]] = {}
@@ -102,13 +127,13 @@ class PrefetchBook:
                 for item in self._by_id[hid].pending
                 if item[1] not in keep_set
             ]
-        self._drop(items)
+        self._unread(self._drop(items), UnreadReason.TRIMMED)
 
     def finish(self, request: str) -> None:
         """``request``'s prefetch ended (done, revoked or terminated): release everything it still books."""
         with self._lock:
             items = [item for hid in self._requests.pop(request, ()) for item in self._by_id[hid].pending]
-        self._drop(items)
+        self._unread(self._drop(items), UnreadReason.PREFETCH_ENDED)
 
     def close(self) -> None:
         """Release every lease."""
@@ -122,13 +147,30 @@ class PrefetchBook:
 
     # ------------------------------------------------------------------ internals
 
-    def _drop(self, pages: Iterable[Page]) -> None:
+    def _unread(self, pages: int, reason: UnreadReason) -> None:
+        """Count ``pages`` leased and never read; log the first of ``reason`` in an interval."""
+        if not pages:
+            return
+        if self._metrics is not None:
+            self._metrics.increment(MetricName.UNREAD_PAGES, pages, {"reason": reason})
+        now = time.monotonic()
+        with self._lock:
+            quiet = now - self._logged.get(reason, -_LOG_EVERY_S) < _LOG_EVERY_S
+            if not quiet:
+                self._logged[reason] = now
+        if not quiet:
+            log.info("kvcr: %d pages leased from a peer were never read (%s): %s", pages, reason.value, _ADVICE[reason])
+
+    def _drop(self, pages: Iterable[Page]) -> int:
+        """Drop booked pages; how many were still booked."""
         finished: list[RemoteLease] = []
+        dropped = 0
         with self._lock:
             for item in pages:
                 held = self._pages.get(item)
                 if held is None:
                     continue
+                dropped += 1
                 del self._pages[item]
                 held.pending.discard(item)
                 if not held.pending:
@@ -136,17 +178,22 @@ class PrefetchBook:
                     self._forget(held)
         for lease in finished:
             self._client.release(lease)
+        return dropped
 
     def _sweep(self) -> None:
         """Forget leases that can no longer be read in time (caller holds the lock)."""
         dead = [h for h in self._by_id.values() if not self._client.alive(h.lease)]
+        expired = 0
         for held in dead:
             for item in held.pending:
                 if self._pages.get(item) is held:
                     del self._pages[item]
+                    expired += 1
             held.pending.clear()
             self._forget(held)
             held.lease.released = True  # expired at the source too: nothing to send
+        if expired and self._metrics is not None:  # the lock is held: count now, log nothing here
+            self._metrics.increment(MetricName.UNREAD_PAGES, expired, {"reason": UnreadReason.EXPIRED})
 
     def _forget(self, held: _Held) -> None:
         self._by_id.pop(id(held), None)

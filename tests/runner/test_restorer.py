@@ -592,3 +592,41 @@ def test_a_closing_source_still_gives_what_it_leased_and_refuses_only_the_rest(n
     assert result.restored == {"kv": [True, True, False, False]}
     assert [host_bytes(b, "kv", 40 + i) for i in range(2)] == [expected(p, "kv") for p in pages[:2]]
     assert a.runner.active_leases == 0 and restorer.booked == 0  # released: the source's close need not wait
+
+
+@pytest.fixture
+def counted():
+    cluster = Cluster()
+    a = cluster.node("A", pools=POOLS, timing=TIMING)
+    b = cluster.node("B", pools=POOLS, timing=TIMING)
+    metrics = InMemoryMetrics(strict=True)
+    book = PrefetchBook(b.client, metrics)
+    yield cluster, a, b, book, Restorer(b.runner, b.client, book, metrics), metrics
+    cluster.close()
+
+
+def unread(metrics):
+    snap = metrics.snapshot()
+    return {r: snap.get(f"kvcr_unread_pages_total{{reason={r}}}", 0) for r in ("trimmed", "prefetch_ended", "expired")}
+
+
+def test_pages_leased_and_never_read_are_counted_by_why(counted, caplog):
+    cluster, a, _b, book, restorer, metrics = counted
+    pages = sequence(6)
+    seed(a, pages, range(6))
+    source = {"kv": Source(a.endpoint)}
+    restorer.presence(pages[:4], ["kv"], source, request="cut", evidence=["kv"])
+    restorer.trim("cut", pages[:1])  # another rank held one page only
+    assert unread(metrics) == {"trimmed": 3, "prefetch_ended": 0, "expired": 0}
+    assert restorer.read({"kv": (pages[:1], [50])}, source).restored == {"kv": [True]}
+    restorer.finish("cut")  # everything it booked was read or trimmed: nothing more is unread
+    assert unread(metrics)["prefetch_ended"] == 0
+    with caplog.at_level("INFO", logger="kvcr.runner.prefetch"):
+        restorer.presence(pages[4:], ["kv"], source, request="dropped", evidence=["kv"])
+        restorer.finish("dropped")  # SGLang ended the prefetch before any read
+    assert unread(metrics) == {"trimmed": 3, "prefetch_ended": 2, "expired": 0}
+    assert "prefetch_ended" in caplog.text and "hicache_storage_prefetch_policy" in caplog.text
+    restorer.presence(pages[:2], ["kv"], source, request="late", evidence=["kv"])
+    cluster.clock.advance(TIMING.lease_s)
+    assert book.held("kv", pages[0]) is None and len(book) == 0  # swept: it can no longer be read in time
+    assert unread(metrics) == {"trimmed": 3, "prefetch_ended": 2, "expired": 2}
