@@ -15,6 +15,14 @@ worker holding the system prompt, a cold worker wins some of them, and those get
 after another, on a machine fast enough to answer each turn before the next arrives, every turn
 would go to the holder and no peer would serve anything.)
 
+The story is the tier: each engine's GPU pool holds 1,024 tokens and its host pool (L2) twice that,
+far less than the conversations. Before each later round, other users' one-off prompts (16 of 600
+tokens, routed like any request) push every conversation's history out of both pools; kvcr's DRAM
+keeps it, and says so on SGLang's own KV-event stream, so the router still knows who holds what.
+A conversation that comes back is then restored from kvcr DRAM by the worker that holds it, or
+read from that worker's kvcr by the other one on the router's hint, whichever the router picks:
+the table shows both.
+
 What the table reports comes from the engines and kvcr themselves: prefill tokens saved from the
 responses' ``usage.prompt_tokens_details.cached_tokens`` (SGLang's count), pages from each
 worker's ``kvcr_pages_total`` on its own ``/metrics``. Then the workers stop and one more SGLang
@@ -34,6 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +78,9 @@ class EngineDemoOptions:
     system_tokens: int = 256
     user_tokens: int = 96
     reply_tokens: int = 16
+    gpu_tokens: int = 1024  # each engine's GPU pool; SGLang's host pool is twice this
+    other_prompts: int = 16  # before each round after the second: other users' one-off prompts
+    other_tokens: int = 600
     stagger_s: float = 0.05  # between the conversations that start together after the first turn
     settle_s: float = 0.5  # after the first turn's pages are in kvcr: the KV events reach the router
     workdir: str | None = None
@@ -93,6 +105,7 @@ class EngineSummary:
     pages: dict[str, dict[str, int]] = field(default_factory=dict)  # worker -> kvcr path -> pages
     reference: list[str] = field(default_factory=list)  # the answers computed without reuse
     reference_error: str = ""
+    other_prompts: int = 0
 
     @property
     def answered(self) -> int:
@@ -118,7 +131,8 @@ class EngineSummary:
     @property
     def ok(self) -> bool:
         checked = len(self.reference) == len(self.turns) and not self.reference_error
-        return checked and self.answered == len(self.turns) and not self.mismatched and self.total("remote_restore") > 0
+        reused = self.total("remote_restore") > 0 and self.total("local_restore") > 0
+        return checked and self.answered == len(self.turns) and not self.mismatched and reused
 
 
 def role(name: str) -> int:
@@ -144,10 +158,12 @@ def ids_of(text: str) -> list[int]:
 
 
 class Conversations:
-    """Each conversation in a thread, its turns in order.
+    """The conversations in rounds, one turn of each per round, each turn in its own thread.
 
     Conversation 0's first turn goes alone; then ``settled()`` (which waits until a worker's kvcr
-    holds that turn's pages) and every conversation goes on together, ``stagger_s`` apart.
+    holds that turn's pages) and the others' first turns go together, ``stagger_s`` apart. Every
+    later round sends all conversations' next turns together; from the third round on, other
+    users' prompts go first (``other_prompts``), pushing the conversations out of the engines' pools.
     """
 
     def __init__(
@@ -155,48 +171,62 @@ class Conversations:
     ) -> None:
         self.deployment, self.options, self.on_turn, self.settled = deployment, options, on_turn, settled
         self.turns: list[Turn] = []
+        self.other_errors: list[str] = []
         self._lock = threading.Lock()
-        self._first = threading.Event()
         self._system = [role("system"), *words(500, options.system_tokens - 1)]
+        self._prompts = {c: list(self._system) for c in range(options.conversations)}
+        self._failed: set[int] = set()
 
     def run(self) -> list[Turn]:
-        threads = [
-            threading.Thread(target=self._conversation, args=(c,), daemon=True)
-            for c in range(self.options.conversations)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(900)
+        o = self.options
+        for k in range(o.turns):
+            if k == 0:
+                self._turn(0, 0)
+                self.settled()
+                self._together([partial(self._turn, c, 0) for c in range(1, o.conversations)])
+                continue
+            if k >= 2:
+                self._together([partial(self._other, k, i) for i in range(o.other_prompts)], stagger_s=0.0)
+            self._together([partial(self._turn, c, k) for c in range(o.conversations)])
         return sorted(self.turns, key=lambda t: (t.conversation, t.turn))
 
-    def _conversation(self, c: int) -> None:
+    def _together(self, calls: Sequence[Callable[[], None]], stagger_s: float | None = None) -> None:
+        gap = self.options.stagger_s if stagger_s is None else stagger_s
+        threads = [threading.Thread(target=call, daemon=True) for call in calls]
+        for thread in threads:
+            thread.start()
+            time.sleep(gap)
+        for thread in threads:
+            thread.join(600)
+
+    def _turn(self, c: int, k: int) -> None:
+        if c in self._failed:
+            return
         o = self.options
-        if c:
-            self._first.wait(300)
-            time.sleep(c * o.stagger_s)
-        prompt = list(self._system)
-        for k in range(o.turns):
-            if c == 0 and k == 1:
-                self.settled()
-                self._first.set()
-            prompt += [role("user"), *words(17 * c + 131 * k, o.user_tokens), role("assistant")]
-            turn = Turn(c, k, list(prompt))
-            try:
-                reply = self.deployment.complete(prompt, max_tokens=o.reply_tokens, sampling={"temperature": 0})
-                turn.text = str(reply["choices"][0]["text"])
-                details = (reply.get("usage") or {}).get("prompt_tokens_details") or {}
-                turn.cached_tokens = int(details.get("cached_tokens") or 0)
-                prompt += ids_of(turn.text)
-            except (DeploymentError, KeyError, IndexError, TypeError, ValueError) as exc:
-                turn.error = str(exc)
+        prompt = self._prompts[c]
+        prompt += [role("user"), *words(17 * c + 131 * k, o.user_tokens), role("assistant")]
+        turn = Turn(c, k, list(prompt))
+        try:
+            reply = self.deployment.complete(prompt, max_tokens=o.reply_tokens, sampling={"temperature": 0})
+            turn.text = str(reply["choices"][0]["text"])
+            details = (reply.get("usage") or {}).get("prompt_tokens_details") or {}
+            turn.cached_tokens = int(details.get("cached_tokens") or 0)
+            prompt += ids_of(turn.text)
+        except (DeploymentError, KeyError, IndexError, TypeError, ValueError) as exc:
+            turn.error = str(exc)
+            self._failed.add(c)
+        with self._lock:
+            self.turns.append(turn)
+        self.on_turn()
+
+    def _other(self, k: int, i: int) -> None:
+        """One other user's one-off prompt (its answer is not checked)."""
+        prompt = [role("user"), *words(7 * i + 59 * k + 3, self.options.other_tokens - 1)]
+        try:
+            self.deployment.complete(prompt, max_tokens=1, sampling={"temperature": 0})
+        except (DeploymentError, KeyError, IndexError, TypeError, ValueError) as exc:
             with self._lock:
-                self.turns.append(turn)
-            self.on_turn()
-            if turn.error:
-                self._first.set()
-                return
-        self._first.set()
+                self.other_errors.append(str(exc))
 
 
 def answers_without_reuse(model: Path, workdir: Path, turns: Sequence[Turn], reply_tokens: int) -> list[str]:
@@ -233,7 +263,7 @@ def run_engine_demo(options: EngineDemoOptions) -> int:
             try:
                 deployment.start_frontend()
                 workers = [
-                    start_sglang_worker(deployment, model, SglangWorkerSpec(f"sglang-{i}"))
+                    start_sglang_worker(deployment, model, SglangWorkerSpec(f"sglang-{i}", options.gpu_tokens))
                     for i in range(options.workers)
                 ]
                 wait_sglang_ready(deployment, workers)
@@ -258,8 +288,10 @@ def run_engine_demo(options: EngineDemoOptions) -> int:
                 wait_for(lambda: _backed_up(workers) >= pages, 60, "the first turn's pages in kvcr")
             time.sleep(options.settle_s)
 
-        turns = Conversations(deployment, options, advanced, settled).run()
+        conversations = Conversations(deployment, options, advanced, settled)
+        turns = conversations.run()
         summary = EngineSummary(turns)
+        summary.other_prompts = options.other_prompts * max(0, options.turns - 2) - len(conversations.other_errors)
         for worker in workers:
             try:
                 summary.pages[worker.spec.name] = {path: worker.kvcr_pages(path) for path in KVCR_PATHS}
@@ -304,6 +336,7 @@ def _table(s: EngineSummary) -> Any:
         ("prompt tokens", str(s.prompt_tokens)),
         ("prefill tokens saved (SGLang's cached_tokens)", str(s.saved_tokens)),
         ("pages backed up to kvcr", str(s.total("backup"))),
+        ("other users' prompts (GPU and host pools flushed)", str(s.other_prompts)),
         ("pages restored from local kvcr DRAM", str(s.total("local_restore"))),
         ("pages restored from a peer (router's hint)", str(s.total("remote_restore"))),
         ("answers equal to the answer without reuse", answered_same),
@@ -330,7 +363,10 @@ def _verdict(s: EngineSummary) -> str:
         )
     if not s.total("remote_restore"):
         return "[yellow]no page was restored from a peer: every turn was routed to its prefix's holder[/yellow]"
+    if not s.total("local_restore"):
+        return "[yellow]no page was restored from local kvcr DRAM: no conversation came back to its holder[/yellow]"
     return (
         f"[green]OK: every answer equals the answer without reuse; {s.saved_tokens} prefill tokens saved, "
-        f"{s.total('remote_restore')} pages read from a peer on the router's hint[/green]"
+        f"{s.total('local_restore')} pages restored from local kvcr DRAM, "
+        f"{s.total('remote_restore')} read from a peer on the router's hint[/green]"
     )
