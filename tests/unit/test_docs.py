@@ -218,3 +218,26 @@ def test_the_grafana_dashboard_queries_only_series_kvcr_exports():
     named = {name for expr in exprs for name in re.findall(r"\b(kvcr_[a-z_]+)", expr)}
     exported = {*CATALOGUE, *(f"{n}_bucket" for n in CATALOGUE)}
     assert named and named <= exported, sorted(named - exported)
+
+
+TOKEN_COMMAND = re.compile(r"`(head -c \d+ /dev/urandom[^`]*?> *(\S+?))(?: *&&[^`]*)?`", re.S)
+
+
+def test_every_token_command_in_the_docs_makes_a_token_kvcr_accepts(tmp_path):
+    """Run each documented token command many times: none may write a token kvcr refuses (a raw NUL did 1 in 9)."""
+    import subprocess
+
+    from kvcr.integrations.shared.settings import read_token_file
+
+    found = [
+        (doc.name, " ".join(m.group(1).split()), m.group(2))
+        for doc in documents(REPO)
+        for m in TOKEN_COMMAND.finditer(doc.read_text())
+    ]
+    assert found, "no token command in the docs"
+    for doc, command, target in found:
+        path = tmp_path / "token"
+        for _ in range(64):
+            subprocess.run(["bash", "-c", command.replace(target, str(path))], check=True)
+            path.chmod(0o600)
+            assert len(read_token_file(str(path))) >= 16, (doc, command)

@@ -63,7 +63,7 @@ def test_a_good_token_file_is_read(tmp_path):
         (b"0123456789abcdef", 0o644, "readable or writable by group or others"),
         (b"0123456789abcdef", 0o606, "readable or writable by group or others"),
         (b"short", 0o600, "at least 16 bytes"),
-        (b"0123456789\x00abcdef", 0o600, "NUL"),
+        (b"0123456789\x00abcdef", 0o600, "NUL byte; write a text token: head -c 32 /dev/urandom"),
         (b"x" * 5000, 0o600, "larger than"),
     ],
 )

@@ -178,7 +178,9 @@ def _checked_read(fd: int, path: str, setting: str) -> bytes:
 
 def _token_rules(token: bytes, path: str, setting: str) -> bytes:
     if b"\x00" in token:
-        raise ConfigError(f"{setting} {path!r} contains a NUL byte")
+        raise ConfigError(
+            f"{setting} {path!r} contains a NUL byte; write a text token: head -c 32 /dev/urandom | base64 > FILE"
+        )
     if len(token) < MIN_TOKEN_BYTES:
         raise ConfigError(f"{setting} {path!r}: the token must be at least {MIN_TOKEN_BYTES} bytes")
     weak = token_weakness(token)
