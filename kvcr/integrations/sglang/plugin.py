@@ -188,6 +188,25 @@ _WRAPPERS: dict[str, tuple[Callable[..., Any], str]] = {
 """kvcr's wrapper for each hooked method, and how SGLang's registry applies it."""
 
 
+_HOOK_SETS: tuple[tuple[tuple[hook_points.HookPoint, ...], str], ...] = (
+    (
+        hook_points.HINT_POINTS,
+        "request hints are OFF: this SGLang's hook points are not what kvcr's plugin wraps; the backend still "
+        "serves its local pages (kvcr doctor shows the same)",
+    ),
+    (
+        hook_points.TOKEN_POINTS,
+        "backed-up pages get no KV events: this SGLang's hook point is not what kvcr's plugin wraps",
+    ),
+    (
+        hook_points.STREAM_POINTS,
+        "the router cannot see kvcr's tier: this SGLang's KV-event publisher is not where kvcr's plugin finds "
+        "it; set kv_events_endpoint to publish on a socket of kvcr's own",
+    ),
+)
+"""Each set of hooks, registered whole or not at all, and what is off without it (logged with why)."""
+
+
 def _register(registry: Any, hook_type: Any, points: tuple[hook_points.HookPoint, ...]) -> None:
     for point in points:
         wrapper, kind = _WRAPPERS[point.target.rsplit(".", 1)[1]]
@@ -208,34 +227,16 @@ def load() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    hints_missing = hook_points.problems(hook_points.HINT_POINTS)
-    tokens_missing = hook_points.problems(hook_points.TOKEN_POINTS)
-    stream_missing = hook_points.problems(hook_points.STREAM_POINTS)
-    hook_points.record([*hints_missing, *tokens_missing, *stream_missing])
-    if hints_missing:
-        log.error(
-            "kvcr: request hints are OFF: this SGLang's hook points are not what kvcr's plugin wraps (%s); "
-            "the backend still serves its local pages (kvcr doctor shows the same)",
-            "; ".join(hints_missing),
-        )
-    else:
-        _register(HookRegistry, HookType, hook_points.HINT_POINTS)
-    if tokens_missing:
-        log.error(
-            "kvcr: backed-up pages get no KV events: this SGLang's hook point is not what kvcr's plugin wraps (%s)",
-            "; ".join(tokens_missing),
-        )
-    else:
-        _register(HookRegistry, HookType, hook_points.TOKEN_POINTS)
-    if stream_missing:
-        log.error(
-            "kvcr: the router cannot see kvcr's tier: this SGLang's KV-event publisher is not where kvcr's plugin "
-            "finds it (%s); set kv_events_endpoint to publish on a socket of kvcr's own",
-            "; ".join(stream_missing),
-        )
-    else:
-        _register(HookRegistry, HookType, hook_points.STREAM_POINTS)
+    missing: list[str] = []
+    for points, without in _HOOK_SETS:
+        problems = hook_points.problems(points)
+        if problems:
+            log.error("kvcr: %s: %s", without, "; ".join(problems))
+        else:
+            _register(HookRegistry, HookType, points)
+        missing += problems
+    hook_points.record(missing)
     _loaded = True
     _install_dynamo_host_hooks()
-    if not hints_missing and not tokens_missing and not stream_missing:
+    if not missing:
         log.info("kvcr: request hints are forwarded to the HiCache storage backend; backed-up page tokens are captured")
