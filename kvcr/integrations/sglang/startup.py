@@ -300,7 +300,7 @@ def _kv_events(
     if endpoint is None:
         if not (settings.engine_kv_events and engine_publishes_events()):
             return None, None
-        return EngineEventStream(), _sink_factory(page_size, sink)
+        return EngineEventStream(), _sink_factory(page_size, sink, shared_stream=True)
     if layout.dp_rank:
         split = split_host_port(endpoint.removeprefix("tcp://"))  # checked when the settings were parsed
         assert split is not None
@@ -311,12 +311,12 @@ def _kv_events(
     return KvEventsSettings(endpoint, settings.kv_events_topic, layout.dp_rank), _sink_factory(page_size, sink)
 
 
-def _sink_factory(page_size: int, sink: list[DynamoInventorySink]) -> InventoryFactory:
+def _sink_factory(page_size: int, sink: list[DynamoInventorySink], *, shared_stream: bool = False) -> InventoryFactory:
     registry = default_registry()
     registry.enable()  # the plugin's backup hook records page tokens from now on
 
     def factory(publisher: KvEventPublisher) -> DynamoInventorySink:
-        sink.append(DynamoInventorySink(publisher, block_size=page_size, tokens=registry))
+        sink.append(DynamoInventorySink(publisher, block_size=page_size, tokens=registry, shared_stream=shared_stream))
         return sink[-1]
 
     return factory

@@ -7,7 +7,7 @@ PUB a Dynamo router subscribes to)::
     STORED  -> {"type": "BlockStored", "block_hashes": [i64, ...], "parent_block_hash": i64 | None,
                 "token_ids": [...], "block_size": page_size, "lora_id": None, "medium": MEDIUM}
     REMOVED -> {"type": "BlockRemoved", "block_hashes": [i64, ...], "medium": MEDIUM}
-    CLEARED -> {"type": "AllBlocksCleared"}
+    CLEARED -> {"type": "AllBlocksCleared"}   (on an engine's own stream: a BlockRemoved of every page announced)
 
 A block hash is the page's router identity as SGLang's signed int64 (the first 16 hex chars of
 the page hash); the router hints the same value as u64, which kvcr maps back to its page keys.
@@ -77,6 +77,7 @@ class DynamoInventorySink:
         tokens: PageTokens,
         pool: str = "kv",
         medium: str = MEDIUM,
+        shared_stream: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -85,6 +86,7 @@ class DynamoInventorySink:
         self._tokens = tokens
         self._pool = pool
         self._medium = medium
+        self._shared_stream = shared_stream
         self._lock = threading.Lock()
         self._closed = False
         self._warned_unplaced = False
@@ -102,9 +104,7 @@ class DynamoInventorySink:
 
     def publish(self, event: InventoryEvent) -> None:
         if event.kind is InventoryKind.CLEARED:
-            with self._lock:
-                self._announced.clear()
-            self._send({"type": "AllBlocksCleared"}, "cleared", 1)
+            self._clear()
         elif event.pool != self._pool:
             self._count("side_pool_events", 1)
         elif event.kind is InventoryKind.STORED:
@@ -182,11 +182,26 @@ class DynamoInventorySink:
         with self._lock:
             return dict(self._counts)
 
+    def _clear(self) -> None:
+        """Everything this sink announced is gone: ``AllBlocksCleared`` on a stream of kvcr's own.
+
+        On an engine's stream (``shared_stream``) that event would also clear the engine's own
+        blocks, in every tier: there the announced pages are removed by name instead.
+        """
+        with self._lock:
+            announced, self._announced = sorted(self._announced), set()
+        if not self._shared_stream:
+            self._send({"type": "AllBlocksCleared"}, "cleared", 1)
+        elif announced:
+            removed = {"type": "BlockRemoved", "block_hashes": announced, "medium": self._medium}
+            self._send(removed, "removed_pages", len(announced))
+            self._count("cleared", 1)
+
     def close(self) -> None:
-        """Tell the router this DRAM is gone (AllBlocksCleared), then close the publisher."""
+        """Tell the router this DRAM is gone (see ``_clear``), then close the publisher."""
         if self._closed:
             return
-        self._send({"type": "AllBlocksCleared"}, "cleared", 1)
+        self._clear()
         self._closed = True
         self.publisher.close()
 

@@ -127,6 +127,25 @@ def test_a_removal_names_only_pages_the_sink_announced_once():
     assert sink.stats()["removed_pages"] == 1
 
 
+def test_on_an_engines_stream_a_clear_or_close_removes_only_what_the_sink_announced():
+    # AllBlocksCleared would wipe the engine's own blocks (every tier) from the router too.
+    tokens = list(range(400, 400 + 3 * P))
+    pages = page_hashes(tokens, P)
+    publisher = FakePublisher()
+    sink = DynamoInventorySink(publisher, block_size=P, tokens=registry_with(tokens), shared_stream=True)
+    sink.publish(InventoryEvent(InventoryKind.STORED, "kv", tuple(pages), None))
+    sink.publish(InventoryEvent(InventoryKind.REMOVED, "kv", (pages[0],)))
+    sink.publish(InventoryEvent(InventoryKind.CLEARED))
+    held = sorted(router_id_signed(p) for p in pages[1:])
+    assert publisher.events[-1] == {"type": "BlockRemoved", "block_hashes": held, "medium": MEDIUM}
+    sink.publish(InventoryEvent(InventoryKind.STORED, "kv", (pages[0],), None))
+    sink.close()
+    last = {"type": "BlockRemoved", "block_hashes": [router_id_signed(pages[0])], "medium": MEDIUM}
+    assert publisher.events[-1] == last
+    assert publisher.closed and all(e["type"] != "AllBlocksCleared" for e in publisher.events)
+    assert sink.stats()["removed_pages"] == 4 and sink.stats()["cleared"] == 2
+
+
 def test_side_pools_are_not_published_and_close_clears_then_closes():
     tokens = list(range(P))
     pages = page_hashes(tokens, P)
