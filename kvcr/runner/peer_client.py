@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -135,6 +136,29 @@ class PeerClient:
     @property
     def links(self) -> int:
         return len(self._links)
+
+    def connect_ahead(self, endpoints: Sequence[str]) -> threading.Thread | None:
+        """Link to ``endpoints`` now, in the background, and keep those links however idle.
+
+        The first contact with a peer (HELLO, the data plane's connect) is the slowest part of a
+        restore from it; made here, a hint naming the peer later finds the link ready (a hit query
+        that asks while it is being made waits for it). A peer that does not answer is skipped for
+        ``peer_retry_ms`` like any other and linked on its first hint. Returns the thread.
+        """
+        wanted = list(dict.fromkeys(endpoints))
+        if not wanted:
+            return None
+
+        def run() -> None:
+            for endpoint in wanted:
+                self._links.keep(endpoint)
+                deadline = self._clock.now() + self._timing.operation_s
+                if self._links.get(endpoint, deadline) is None:
+                    log.info("kvcr: could not link to %s ahead of need; its first hint will", endpoint)
+
+        thread = threading.Thread(target=run, name="kvcr-connect-ahead", daemon=True)
+        thread.start()
+        return thread
 
     # ------------------------------------------------------------------ lease
 

@@ -192,6 +192,8 @@ class SourceLinks:
         self.incarnation = secrets.token_hex(16)
         self._links: OrderedDict[str, Link] = OrderedDict()
         self._down_until: dict[str, float] = {}
+        self._connecting: dict[str, threading.Event] = {}  # one HELLO and connect per endpoint at a time
+        self._kept: set[str] = set()  # endpoints connected ahead of need: never closed for idling
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -199,16 +201,41 @@ class SourceLinks:
             return len(self._links)
 
     def get(self, endpoint: str, deadline: float) -> Link | None:
-        """The link to ``endpoint``: cached, or made now (HELLO, then the data plane); None on any failure."""
-        now = self._clock.now()
-        with self._lock:
-            link = self._links.get(endpoint)
-            if link is not None:
-                link.last_used = now
-                self._links.move_to_end(endpoint)
-                return link
-            if now < self._down_until.get(endpoint, 0.0):
+        """The link to ``endpoint``: cached, or made now (HELLO, then the data plane); None on any failure.
+
+        One caller at a time makes a link to an endpoint; another that asks meanwhile (a hit query
+        while the link is connected ahead of need) waits for it, within its own deadline.
+        """
+        while True:
+            now = self._clock.now()
+            with self._lock:
+                link = self._links.get(endpoint)
+                if link is not None:
+                    link.last_used = now
+                    self._links.move_to_end(endpoint)
+                    return link
+                if now < self._down_until.get(endpoint, 0.0):
+                    return None
+                pending = self._connecting.get(endpoint)
+                if pending is None:
+                    mine = self._connecting[endpoint] = threading.Event()
+            if pending is None:
+                break
+            if not pending.wait(max(0.0, deadline - now)):
                 return None
+        try:
+            return self._connect(endpoint, deadline, now)
+        finally:
+            with self._lock:
+                del self._connecting[endpoint]
+            mine.set()
+
+    def keep(self, endpoint: str) -> None:
+        """Never close the link to ``endpoint`` for idling (it was connected ahead of need)."""
+        with self._lock:
+            self._kept.add(endpoint)
+
+    def _connect(self, endpoint: str, deadline: float, now: float) -> Link | None:
         self._close_idle(now)
         nonce = secrets.token_bytes(NONCE_BYTES)
         hello = Hello(nonce, self._data_plane.name, self.incarnation, dict(self._namespaces))
@@ -393,7 +420,8 @@ class SourceLinks:
             for endpoint, link in list(self._links.items()):
                 if now - link.last_used < self._link_idle_s:
                     break  # ordered by use: the rest are fresher
-                idle.append((endpoint, self._links.pop(endpoint)))
+                if endpoint not in self._kept:
+                    idle.append((endpoint, self._links.pop(endpoint)))
         for endpoint, link in idle:
             self._drop(endpoint, link)
 

@@ -8,6 +8,7 @@ skip the peer for ``retry_after_s`` (an operator reads why in one log line).
 import logging
 import secrets
 import threading
+import time
 
 import pytest
 
@@ -1027,3 +1028,49 @@ def test_a_read_still_pending_at_its_deadline_is_given_up_then(coarse):
     start = coarse.clock.now()
     assert reasons(b.client.restore(a.endpoint, [PoolRead("kv", sequence(1), [5])])) == ["read timed out"]
     assert coarse.clock.now() - start == TIMING.operation_s
+
+
+def test_a_peer_connected_ahead_is_linked_before_any_hint_and_kept_however_idle(cluster):
+    a, c = cluster.make("A"), cluster.make("C")
+    b = cluster.make("B", peer=PeerSettings(link_idle_s=30.0))
+    for s in (a, c):
+        seed(s, sequence(1), [0])
+    b.client.connect_ahead([a.endpoint, a.endpoint]).join(10)
+    assert b.client.links == 1 and a.control.requests_served == 1  # one HELLO, before any hint
+    lease = b.client.lease(a.endpoint, [("kv", sequence(1))])
+    assert lease is not None and a.control.requests_served == 2  # the LEASE only: the link was ready
+    b.client.release(lease)
+    cluster.clock.advance(60.0)  # idle for twice link_idle_s
+    b.client.lease(c.endpoint, [("kv", sequence(1))])  # a new link looks for idle ones first
+    assert b.client.links == 2  # A's, made ahead of need, stays
+
+
+def test_a_peer_that_does_not_answer_ahead_of_need_is_skipped_and_linked_on_its_hint(cluster):
+    b = cluster.make("B")
+    b.client.connect_ahead(["tcp://127.0.0.1:1"]).join(10)
+    assert b.client.links == 0
+    assert b.client.connect_ahead([]) is None
+
+
+def test_callers_asking_for_a_new_link_at_once_make_one(cluster):
+    a, b = cluster.make("A"), cluster.make("B")
+    seed(a, sequence(1), [0])
+    answer = proxy(a)
+
+    def slow_hello(request):
+        if isinstance(request, protocol.Hello):
+            time.sleep(0.3)  # a first contact on a loaded host: the other callers arrive meanwhile
+        return answer(request)
+
+    rogue = Rogue(cluster, slow_hello)
+    leases = []
+    threads = [
+        threading.Thread(target=lambda: leases.append(b.client.lease(rogue.endpoint, [("kv", sequence(1))])))
+        for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert [type(c).__name__ for c in rogue.calls].count("Hello") == 1
+    assert b.client.links == 1 and len(leases) == 4 and all(lease is not None for lease in leases)

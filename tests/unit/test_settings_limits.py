@@ -11,7 +11,8 @@ from kvcr.domain.errors import ConfigError
 from kvcr.integrations.shared.settings import KvcrSettings, parse_settings, read_token_file
 
 KNOWN = (
-    "abandon_timeout_ms, allow_unauthenticated, auth_token_file, connect_timeout_ms, control_advertise_host, "
+    "abandon_timeout_ms, allow_unauthenticated, auth_token_file, connect_ahead, connect_timeout_ms, "
+    "control_advertise_host, "
     "control_handshake_ms, control_host, control_port, control_timeout_ms, dram_bytes, enable_remote_hint, "
     "engine_kv_events, kv_events_endpoint, kv_events_topic, landing, lease_ms, max_peer_links, node_key_file, "
     "operation_timeout_ms, page_digest, peer_allowlist, peer_directory_file, peer_lease_share, peer_retry_ms, policy, "
@@ -35,6 +36,22 @@ def refusal(extra):
         ({"auth_token_file": 3}, "kvcr setting 'auth_token_file' must be str or null, got 3"),
         ({"recompute_tokens_per_s": "x"}, "kvcr setting 'recompute_tokens_per_s' must be int or float, got 'x'"),
         ({"peer_allowlist": ["ok", ""]}, "peer_allowlist entries must be non-empty strings, got ''"),
+        (
+            {"connect_ahead": ["10.0.0.2:32100"]},
+            "connect_ahead entry '10.0.0.2:32100': endpoint '10.0.0.2:32100' must start with tcp://",
+        ),
+        (
+            {"connect_ahead": ["tcp://0.0.0.0:32100"]},
+            "connect_ahead entry 'tcp://0.0.0.0:32100': endpoint host '0.0.0.0' is not dialable",
+        ),
+        (
+            {"connect_ahead": ["tcp://10.9.0.2:32100"], "peer_allowlist": ["10.0.0.0/16"]},
+            "connect_ahead entry 'tcp://10.9.0.2:32100' is outside peer_allowlist",
+        ),
+        (
+            {"connect_ahead": ["tcp://h:1"], "control_port": 0},
+            "connect_ahead needs a control_port (this node reads from peers)",
+        ),
         ({"transport": "rdma"}, "transport must be one of nixl, ucx, shm, auto, mock, got 'rdma'"),
         (
             {"transport": "shm", "same_host_shm": False},

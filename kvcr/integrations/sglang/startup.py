@@ -21,6 +21,7 @@ from kvcr import __version__
 from kvcr.container import InventoryFactory, KvEventsSettings, build_container
 from kvcr.domain.endpoints import bracketed, split_host_port
 from kvcr.domain.errors import ConfigError, LayoutError
+from kvcr.domain.hints import Endpoint
 from kvcr.domain.keys import NamespaceSpec
 from kvcr.domain.pools import HitPolicy
 from kvcr.domain.topology import RankLayout
@@ -244,6 +245,10 @@ def start(
     metrics.set_gauge(MetricName.BUILD_INFO, 1, {"version": __version__, "transport": settings.transport})
     metrics.set_gauge(MetricName.HINT_HOOKS_MISSING, len(hook_points.missing_at_load()))
     restorer = container.restorer() if node is not None else container.local_restorer()
+    if node is not None and settings.connect_ahead:
+        offset = layout.source_offset(replicated(KV, config))  # this rank's port above a peer's rank 0
+        peers = [str(Endpoint.parse(e).offset(offset)) for e in settings.connect_ahead]
+        node.client.connect_ahead([peer for peer in peers if peer != node.endpoint])
     log.info(
         "kvcr started: namespace %s, pools %s, endpoint %s, kv events %s",
         runner.namespace,

@@ -86,6 +86,7 @@ class KvcrSettings:
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kv-events"
     engine_kv_events: bool = True
+    connect_ahead: tuple[str, ...] = ()
 
     def timing(self) -> Timing:
         """The one Timing every part of this rank's kvcr uses."""
@@ -231,6 +232,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "kv_events_endpoint": (str, type(None)),
     "kv_events_topic": (str,),
     "engine_kv_events": (bool,),
+    "connect_ahead": (list,),
 }
 _TIMES = ("operation_timeout_ms", "abandon_timeout_ms", "control_timeout_ms", "connect_timeout_ms", "lease_ms")
 
@@ -324,6 +326,15 @@ def _check(s: KvcrSettings) -> None:
     s.timing()  # the cross-field rules (abandon >= operation, control <= operation, lease > margin)
     if s.kv_events_endpoint is not None:
         _check_events_endpoint(s.kv_events_endpoint)
+    for entry in s.connect_ahead:
+        try:
+            peer = Endpoint.parse(entry)
+        except ValueError as exc:
+            raise ConfigError(f"connect_ahead entry {_shown(entry)}: {exc}") from None
+        if not s.allows(peer.host):
+            raise ConfigError(f"connect_ahead entry {_shown(entry)} is outside peer_allowlist")
+    if s.connect_ahead and s.control_port == 0:
+        raise ConfigError("connect_ahead needs a control_port (this node reads from peers)")
 
 
 _HOST_NAME = re.compile(

@@ -6,6 +6,7 @@ The same flows over real NIXL between two processes are in ``test_two_replicas_n
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
@@ -287,3 +288,21 @@ def no_peer_traffic(stores):
     """No store failed a peer request or refused one."""
     names = [name for store in stores for name in store.kvcr_stats()["counters"]]
     return not [n for n in names if n.startswith(("kvcr_failures_total", "kvcr_peer_requests_refused_total"))]
+
+
+def test_a_replica_links_to_its_connect_ahead_peers_at_start_up_before_any_hint(replicas):
+    a, host_a, port_a = replicas()
+    b, host_b, _ = replicas(enable_remote_hint=True, connect_ahead=[f"tcp://127.0.0.1:{port_a}"])
+    deadline = time.monotonic() + 10
+    while b.node.client.links == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert b.node.client.links == 1  # linked before any hint named A
+    keys = sg.hashes(3)
+    src = host_a.alloc(3 * sg.P)
+    sg.fill(host_a, src, seed=23)
+    assert a.batch_set_v1(keys, src) == [True] * 3
+    assert b.batch_exists(keys, hint(port_a, keys)) == 3
+    dst = host_b.alloc(3 * sg.P)
+    assert b.batch_get_v1(keys, dst, hint(port_a, keys)) == [True] * 3
+    assert sg.pages_equal(host_a, src, host_b, dst)
+    assert b.node.client.links == 1  # the hinted restore used the link made ahead
