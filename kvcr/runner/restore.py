@@ -95,11 +95,14 @@ class Restorer:
         *,
         request: str | None = None,
         evidence: Sequence[str] = (),
+        min_pages: int = 0,
     ) -> dict[str, list[bool]]:
         """Per pool, per page: available locally or leased now from the pool's source.
 
         Pages are leased only inside the span every ``evidence`` pool (physical ALL_PAGES) could
-        still cover, so a query never pins pages past the first page no one has. Leases are booked
+        still cover, so a query never pins pages past the first page no one has, and only when that
+        span reaches ``min_pages`` (below it the engine prefetches nothing: SGLang's
+        ``prefetch_threshold``), so a source never leases what no one will read. Leases are booked
         for the read only under a ``request`` id (the engine then says when it cuts the hit or ends
         the prefetch); without one they are released before this returns and the read leases anew.
         """
@@ -111,13 +114,14 @@ class Restorer:
         held = {pool: book.booked(pool, keys) for pool in pools}
         candidate = {pool: _reachable(keys, local[pool], held[pool], sources.get(pool)) for pool in pools}
         span = min((leading_run(candidate[p]) for p in evidence), default=len(keys))
+        leasable = span if span >= min_pages else 0
         # Inside the span a booked page is present; past it only local pages count.
         present = {
             pool: [here or (i < span and b) for i, (here, b) in enumerate(zip(local[pool], held[pool], strict=True))]
             for pool in pools
         }
         # neither here nor booked, yet reachable: a source's hint covers it
-        wanted = {pool: [i for i in range(span) if candidate[pool][i] and not present[pool][i]] for pool in pools}
+        wanted = {pool: [i for i in range(leasable) if candidate[pool][i] and not present[pool][i]] for pool in pools}
         pages = {pool: [keys[i] for i in idx] for pool, idx in wanted.items()}
         for lease, asked in self._lease_along(pages, sources):
             booked: list[Page] = []

@@ -36,8 +36,7 @@ from kvcr.demo.dynamo.sglang_workers import (
     SERVED_MODEL,
     SglangWorker,
     SglangWorkerSpec,
-    start_sglang_worker,
-    wait_sglang_ready,
+    sglang_workers,
 )
 from kvcr.testing.engine import PAGE_SIZE, prompt_ids, token_id, word, write_model
 
@@ -74,18 +73,11 @@ def registrations(discovery: Path) -> dict[int, dict[str, Any]]:
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     workdir = tmp_path_factory.mktemp("dynamo-sglang")
     model = write_model(workdir / "model")
-    workers: dict[str, SglangWorker] = {}
     with Deployment(workdir / "deployment", served_model=SERVED_MODEL) as d:
-        try:
-            d.start_frontend()
-            for name in ("a", "b"):
-                workers[name] = start_sglang_worker(d, model, SglangWorkerSpec(name))
-            wait_sglang_ready(d, workers.values(), timeout_s=200)
+        d.start_frontend()
+        with sglang_workers(d, model, [SglangWorkerSpec("a"), SglangWorkerSpec("b")], timeout_s=200) as workers:
             assert len(registrations(d.discovery)) == 2
             yield {"url": d.url, "discovery": d.discovery, "workers": workers}
-        finally:
-            for worker in workers.values():
-                worker.stop()
 
 
 def test_each_workers_registration_carries_kvcrs_hint_capability(deployment):

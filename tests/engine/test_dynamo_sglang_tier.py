@@ -30,8 +30,7 @@ from kvcr.demo.dynamo.sglang_workers import (
     SERVED_MODEL,
     SglangWorker,
     SglangWorkerSpec,
-    start_sglang_worker,
-    wait_sglang_ready,
+    sglang_workers,
 )
 from kvcr.testing.engine import PAGE_SIZE, metric_sum, parse_metrics, prompt_ids, token_id, word, write_model
 from tests.engine.test_dynamo_sglang import cached_tokens, http, registrations
@@ -54,19 +53,13 @@ def text(length: int, seed: int) -> str:
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     workdir = tmp_path_factory.mktemp("dynamo-sglang-tier")
     model = write_model(workdir / "model")
-    workers: dict[str, SglangWorker] = {}
+    specs = [SglangWorkerSpec(name, GPU_TOKENS, {"dram_bytes": DRAM}) for name in ("a", "b")]
     with Deployment(workdir / "deployment", served_model=SERVED_MODEL) as d:
-        try:
-            d.start_frontend()
-            for name in ("a", "b"):
-                workers[name] = start_sglang_worker(d, model, SglangWorkerSpec(name, GPU_TOKENS, {"dram_bytes": DRAM}))
-            wait_sglang_ready(d, workers.values(), timeout_s=200)
+        d.start_frontend()
+        with sglang_workers(d, model, specs, timeout_s=200) as workers:
             published = registrations(d.discovery)
             ids = {d_["router_hint_source_control_endpoints"]["0"]: i for i, d_ in published.items()}
             yield {"url": d.url, "workers": workers, "ids": {n: ids[w.control_endpoint] for n, w in workers.items()}}
-        finally:
-            for worker in workers.values():
-                worker.stop()
 
 
 def complete(url: str, prompt: str, *, max_tokens: int = 1, pin: int | None = None) -> dict[str, Any]:

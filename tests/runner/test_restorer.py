@@ -630,3 +630,18 @@ def test_pages_leased_and_never_read_are_counted_by_why(counted, caplog):
     cluster.clock.advance(TIMING.lease_s)
     assert book.held("kv", pages[0]) is None and len(book) == 0  # swept: it can no longer be read in time
     assert unread(metrics) == {"trimmed": 3, "prefetch_ended": 2, "expired": 2}
+
+
+def test_nothing_is_leased_when_the_reachable_span_is_below_what_the_engine_would_prefetch(nodes):
+    # SGLang prefetches nothing below its prefetch_threshold: a lease for such a hit is a source's
+    # work for nothing (it used to be leased, then trimmed to 0 by the engine).
+    _, a, b, _, restorer = nodes
+    pages = sequence(4)
+    seed(a, pages, range(4))
+    seed(b, pages[:1], [0])
+    source = {"kv": Source(a.endpoint)}
+    found = restorer.presence(pages, ["kv"], source, request="r", evidence=["kv"], min_pages=5)
+    assert found == {"kv": [True, False, False, False]}  # local pages still count
+    assert a.runner.active_leases == 0 and restorer.booked == 0
+    found = restorer.presence(pages, ["kv"], source, request="r", evidence=["kv"], min_pages=4)
+    assert found == {"kv": [True] * 4} and restorer.booked == 3

@@ -14,7 +14,8 @@ import json
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,22 @@ def start_sglang_worker(deployment: Deployment, model: Path, spec: SglangWorkerS
     args = [*worker_args(model, control, events, spec), "--discovery-backend", deployment.discovery_backend]
     process, log = deployment.spawn(spec.name, args, env)
     return SglangWorker(spec, process, control, system, log)
+
+
+@contextmanager
+def sglang_workers(
+    deployment: Deployment, model: Path, specs: Iterable[SglangWorkerSpec], timeout_s: float = 240.0
+) -> Iterator[dict[str, SglangWorker]]:
+    """Start a worker per spec, wait until the frontend routes to them all; stop them all on the way out."""
+    workers: dict[str, SglangWorker] = {}
+    try:
+        for spec in specs:
+            workers[spec.name] = start_sglang_worker(deployment, model, spec)
+        wait_sglang_ready(deployment, workers.values(), timeout_s)
+        yield workers
+    finally:
+        for worker in workers.values():
+            worker.stop()
 
 
 def wait_sglang_ready(deployment: Deployment, workers: Iterable[SglangWorker], timeout_s: float = 240.0) -> None:

@@ -69,6 +69,7 @@ class KvcrHiCacheStorage(HiCacheStorage):
         self._host_pools: dict[str, Any] = {}
         self._started: Started | None = None
         self._hints: HintReader | None = None
+        self._min_pages: int | None = None
         self._start_lock = threading.Lock()
         self._refused_pools: set[str] = set()
         self._stats = StorageStats(bool(storage_config.enable_storage_metrics))
@@ -195,6 +196,7 @@ class KvcrHiCacheStorage(HiCacheStorage):
             self._sources(extra_info, physical),
             request=hints_bridge.current_request(),
             evidence=evidence,
+            min_pages=self._prefetch_min_pages(started),
         )
         verdict = hit_verdict(
             [PoolPresence(p.pool, p.policy, found.get(p.pool, ()), p.window, p.physical) for p in presences]
@@ -263,9 +265,22 @@ class KvcrHiCacheStorage(HiCacheStorage):
         if not pools:
             return [False] * len(keys)
         found = started.restorer.presence(
-            keys, pools, self._sources(extra_info, pools), request=hints_bridge.current_request(), evidence=pools
+            keys,
+            pools,
+            self._sources(extra_info, pools),
+            request=hints_bridge.current_request(),
+            evidence=pools,
+            min_pages=self._prefetch_min_pages(started),
         )
         return [all(found[p][i] for p in pools) for i in range(len(keys))]
+
+    def _prefetch_min_pages(self, started: Started) -> int:
+        """Pages below which SGLang prefetches nothing (its ``prefetch_threshold``); found once."""
+        if self._min_pages is None:
+            page_tokens = started.described[KV].page_size
+            threshold = engine_prefetch_threshold(self.storage_config.extra_config)
+            self._min_pages = -(-max(threshold, page_tokens) // page_tokens) if threshold > 0 else 0
+        return self._min_pages
 
     def _fail_stop(self, reason: str) -> None:
         type(self).terminate(reason)
@@ -404,6 +419,25 @@ class KvcrHiCacheStorage(HiCacheStorage):
     def _record(self, record: Any, results: list[bool], started: Started, started_at: float) -> None:
         pages = leading_run(results)
         record(pages, pages * started.described[KV].spec.page_bytes, time.perf_counter() - started_at)
+
+
+def engine_prefetch_threshold(extra_config: Mapping[str, Any] | None) -> int:
+    """The storage hit, in tokens, below which SGLang prefetches nothing from storage.
+
+    SGLang takes ``prefetch_threshold`` out of the extra-config before the backend sees it, so it
+    is read again the way SGLang's controller reads it (its default: 256), from the scheduler's own
+    copy of the raw setting. Outside a scheduler (a backend driven directly: tools, tests) there is
+    no controller to apply one: ``extra_config``'s value if it has one, else none (0).
+    """
+    try:
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+        from sglang.srt.runtime_context import get_memory
+
+        raw = get_memory().hicache_storage_backend_extra_config
+        return int(HybridCacheController.parse_storage_backend_extra_config(raw)[1])
+    except Exception:  # not in a scheduler, or a SGLang that parses elsewhere
+        value = (extra_config or {}).get("prefetch_threshold", 0)
+        return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0
 
 
 class _Transfer:

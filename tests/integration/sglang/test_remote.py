@@ -306,3 +306,31 @@ def test_a_replica_links_to_its_connect_ahead_peers_at_start_up_before_any_hint(
     assert b.batch_get_v1(keys, dst, hint(port_a, keys)) == [True] * 3
     assert sg.pages_equal(host_a, src, host_b, dst)
     assert b.node.client.links == 1  # the hinted restore used the link made ahead
+
+
+@pytest.mark.parametrize(("threshold_pages", "hit"), [(4, 0), (3, 3)])
+def test_a_hinted_hit_below_sglangs_prefetch_threshold_leases_nothing(replicas, threshold_pages, hit):
+    a, host_a, port_a = replicas()
+    b, _, _ = replicas(enable_remote_hint=True, prefetch_threshold=threshold_pages * sg.P)
+    keys = sg.hashes(3)
+    src = host_a.alloc(3 * sg.P)
+    sg.fill(host_a, src, seed=29)
+    assert a.batch_set_v1(keys, src) == [True] * 3
+    answered = b.batch_exists(keys, hint(port_a, keys))
+    served = a._ready().metrics.snapshot().get("kvcr_pages_total{outcome=ok,path=served}", 0)
+    if threshold_pages <= 3:
+        assert answered == hit and served == 3
+    else:  # SGLang would prefetch none of it: A is not asked at all
+        assert answered == 0 and served == 0
+
+
+def test_sglang_parses_prefetch_threshold_where_kvcr_reads_it_again():
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    from kvcr.integrations.sglang.storage import engine_prefetch_threshold
+
+    parsed = HybridCacheController.parse_storage_backend_extra_config('{"prefetch_threshold": 64, "x": 1}')
+    assert parsed[1] == 64  # the tuple position kvcr reads in a scheduler
+    assert HybridCacheController.parse_storage_backend_extra_config("{}")[1] == 256  # SGLang's default
+    assert engine_prefetch_threshold({"prefetch_threshold": 48}) == 48  # outside a scheduler: the dict's
+    assert engine_prefetch_threshold({}) == 0
