@@ -35,7 +35,10 @@ log = logging.getLogger(__name__)
 
 _LOG_EVERY_S = 10.0
 _ADVICE = {
-    UnreadReason.TRIMMED: "another rank of this engine held fewer pages (SGLang's MIN across ranks)",
+    UnreadReason.TRIMMED: (
+        "SGLang cut the hit: another rank of this engine held fewer pages (the MIN across ranks) or the host "
+        "pool had room for fewer"
+    ),
     UnreadReason.PREFETCH_ENDED: (
         "SGLang ended the request's prefetch before reading them; with hicache_storage_prefetch_policy "
         "best_effort a busy scheduler does not wait: run timeout (its default) and keep prefetch_timeout_base "
