@@ -190,14 +190,7 @@ class KvcrHiCacheStorage(HiCacheStorage):
             )
         physical = [p.pool for p in presences if p.physical]
         evidence = [p.pool for p in evidence_pools(presences)]
-        found = started.restorer.presence(
-            keys,
-            physical,
-            self._sources(extra_info, physical),
-            request=hints_bridge.current_request(),
-            evidence=evidence,
-            min_pages=self._prefetch_min_pages(started),
-        )
+        found = self._presence(started, keys, physical, evidence, extra_info)
         verdict = hit_verdict(
             [PoolPresence(p.pool, p.policy, found.get(p.pool, ()), p.window, p.physical) for p in presences]
         )
@@ -264,15 +257,21 @@ class KvcrHiCacheStorage(HiCacheStorage):
         pools = _anchor_evidence(started)
         if not pools:
             return [False] * len(keys)
-        found = started.restorer.presence(
+        found = self._presence(started, keys, pools, pools, extra_info)
+        return [all(found[p][i] for p in pools) for i in range(len(keys))]
+
+    def _presence(
+        self, started: Started, keys: list[str], pools: list[str], evidence: list[str], extra_info: Any
+    ) -> dict[str, list[bool]]:
+        """The restorer's presence for this call's request, its hint's sources and SGLang's threshold."""
+        return started.restorer.presence(
             keys,
             pools,
             self._sources(extra_info, pools),
             request=hints_bridge.current_request(),
-            evidence=pools,
+            evidence=evidence,
             min_pages=self._prefetch_min_pages(started),
         )
-        return [all(found[p][i] for p in pools) for i in range(len(keys))]
 
     def _prefetch_min_pages(self, started: Started) -> int:
         """Pages below which SGLang prefetches nothing (its ``prefetch_threshold``); found once."""
