@@ -180,7 +180,11 @@ def check_sglang_version() -> Finding:
         try:
             importlib.import_module(module)
         except Exception as exc:  # what the backend would hit at start-up, in one line
-            hint = " (CPU hosts: see docs/install.md)" if "torchvision" in str(exc) else ""
+            hint = (
+                " (CPU hosts: put kvcr's import-only torchvision on PYTHONPATH, docs/engine-on-cpu.md)"
+                if "torchvision" in str(exc)
+                else ""
+            )
             return Finding(
                 "sglang",
                 Status.FAIL,
@@ -188,7 +192,7 @@ def check_sglang_version() -> Finding:
             )
     from kvcr.integrations.sglang import hook_points
 
-    moved = hook_points.problems([*hook_points.HINT_POINTS, *hook_points.TOKEN_POINTS])
+    moved = hook_points.problems([*hook_points.HINT_POINTS, *hook_points.TOKEN_POINTS, *hook_points.STREAM_POINTS])
     if moved:
         return Finding(
             "sglang",

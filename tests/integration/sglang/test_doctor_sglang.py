@@ -30,7 +30,7 @@ def test_an_sglang_whose_host_pool_cannot_import_fails_the_doctor_as_it_fails_th
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env, cwd="/")
     verdict = done.stdout.strip().splitlines()[0]
     assert verdict.startswith("FAIL sglang 0.5.23: kvcr's backend cannot import sglang.srt.mem_cache.pool_host.mha")
-    assert "torchvision" in verdict
+    assert "torchvision" in verdict and verdict.endswith("on PYTHONPATH, docs/engine-on-cpu.md)")  # where the fix is
     assert done.returncode != 0 and "No module named 'torchvision'" in done.stderr  # what the backend then hits
 
 
