@@ -295,11 +295,12 @@ class PeerLinks:
                 conn.connected = True
             elif event & self._failures:
                 conn.handshake_failed = not conn.connected
-                conn.failure = (
-                    "handshake failed (no shared cluster token, or not the same security)"
-                    if conn.handshake_failed
-                    else "a frame failed authentication, the connection is closed"
-                )
+                if not conn.handshake_failed:
+                    conn.failure = "a frame failed authentication, the connection is closed"
+                elif self._keyring is not None:
+                    conn.failure = "handshake failed (no shared cluster token, or not the same security)"
+                else:  # no security here: nothing about tokens can be the cause
+                    conn.failure = "handshake failed (the peer closed its greeting: restarting, or not a kvcr port)"
             elif event & lib.EVENT_CONNECT_RETRIED:
                 conn.failure = "connection refused" if not conn.connected else "connection lost"
             elif event & lib.EVENT_DISCONNECTED:

@@ -1,5 +1,6 @@
 """ZmqControlChannel behaviour beyond the contract: concurrency, stalls, restarts, failures, close."""
 
+import contextlib
 import json
 import socket
 import struct
@@ -484,3 +485,32 @@ def test_the_round_trip_benchmark_runs_and_reports_every_case(capsys):
     for result in report["results"].values():
         assert 0 < result["p50_us"] <= result["p99_us"]
     assert report["results"]["plaintext"]["p50_vs_plaintext"] == 1.0
+
+
+def test_a_peer_that_drops_the_greeting_is_not_blamed_on_a_token_no_one_set(channels):
+    # A peer killed or restarting mid-greeting, dialled by a node with no token: the failure must
+    # not send its operator after a cluster token neither side has.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    stop = threading.Event()
+
+    def drop_every_greeting():
+        listener.settimeout(0.05)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                conn, _ = listener.accept()
+                conn.recv(64)  # the start of the ZMTP greeting, then gone
+                conn.close()
+
+    thread = threading.Thread(target=drop_every_greeting, daemon=True)
+    thread.start()
+    try:
+        client = channels()
+        with pytest.raises(PeerUnavailable) as failed:
+            client.request(f"tcp://127.0.0.1:{listener.getsockname()[1]}", b"x", timeout_s=2.0)
+        assert "token" not in str(failed.value), str(failed.value)
+    finally:
+        stop.set()
+        thread.join(2)
+        listener.close()
