@@ -152,8 +152,13 @@ def _engine_demo(args: argparse.Namespace, turns: int) -> int:
 
 
 def _worker(argv: Sequence[str]) -> int:
-    from kvcr.demo.dynamo.worker import main as worker_main
-
+    try:
+        from kvcr.demo.dynamo.worker import main as worker_main
+    except ImportError as exc:  # its --help too: the parser lives beside Dynamo's backend API
+        raise ConfigError(
+            f"needs Dynamo's Python backend API, which does not import here ({exc}): "
+            'pip install "kvcr-runner[dynamo]" && pip install --no-deps "ai-dynamo==1.6.1"; see docs/install.md'
+        ) from None
     return worker_main(list(argv))
 
 
@@ -341,7 +346,11 @@ def _missing_extras(args: argparse.Namespace, installed: Callable[[str], bool] =
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:
-        return _worker(argv[1:])  # its own parser: the options are the worker's
+        try:
+            return _worker(argv[1:])  # its own parser: the options are the worker's
+        except KvcrError as exc:
+            print(f"kvcr worker: {exc}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     name = " ".join(part for part in ("kvcr", args.command, getattr(args, "bench", None)) if part)
     missing = _missing_extras(args)

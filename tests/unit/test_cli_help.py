@@ -89,3 +89,15 @@ def test_a_command_with_its_extras_or_without_plots_needs_nothing_more():
     assert _missing_extras(parse(["bench", "local", "--no-plot"]), installed=lambda module: False) is None
     assert _missing_extras(parse(["demo", "--local-only"]), installed=lambda module: False) is None
     assert _missing_extras(parse(["demo"])) is None  # this checkout's venv has every extra
+
+
+def test_kvcr_worker_without_dynamo_is_one_line_naming_the_pip_command():
+    import subprocess
+    import sys
+
+    probe = "import sys; sys.modules['dynamo'] = None; from kvcr.cli import main; sys.exit(main(['worker', '--help']))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    line = done.stderr.strip()
+    assert line.startswith("kvcr worker: needs Dynamo's Python backend API") and "\n" not in line, line
+    assert 'pip install --no-deps "ai-dynamo==1.6.1"' in line
