@@ -9,16 +9,16 @@ from kvcr.demo.engines import EngineSummary, Turn, ids_of, role
 from kvcr.testing.engine import token_id
 
 
-def summary(texts, reference, remote=16, error=""):
+def summary(texts, reference, remote=16, local=8, error=""):
     turns = [
         Turn(0, k, [1, 2, 3], text=text, cached_tokens=16, error=error if k == 0 else "")
         for k, text in enumerate(texts)
     ]
-    pages = {"a": {"backup": 4, "local_restore": 0, "remote_restore": remote, "served": 0}}
+    pages = {"a": {"backup": 4, "local_restore": local, "remote_restore": remote, "served": 0}}
     return EngineSummary(turns, pages=pages, reference=list(reference))
 
 
-def test_every_answer_equal_and_pages_from_a_peer_is_ok():
+def test_every_answer_equal_and_pages_from_local_kvcr_and_a_peer_is_ok():
     s = summary(["w1 w2", "w3"], ["w1 w2", "w3"])
     assert s.ok and not s.mismatched and s.saved_tokens == 32
 
@@ -31,6 +31,7 @@ def test_one_answer_that_differs_from_the_reference_fails_the_demo():
 def test_no_reference_or_no_peer_pages_or_a_lost_turn_is_not_ok():
     assert not summary(["w1"], []).ok  # not checked is not passed
     assert not summary(["w1"], ["w1"], remote=0).ok
+    assert not summary(["w1"], ["w1"], local=0).ok  # the tier's story: pages from local kvcr DRAM too
     assert not summary(["", "w3"], ["", "w3"], error="HTTP 500").ok
 
 
