@@ -16,7 +16,8 @@ A page leased and never read is a source's work for nothing, and a prefix the ta
 recomputed: each is counted in ``kvcr_unread_pages_total{reason}`` (``trimmed``: the engine cut
 the hit; ``prefetch_ended``: the engine ended the request's prefetch before reading them, e.g.
 its prefetch policy stopped waiting; ``expired``: the lease ran out before the read), and the
-first of each reason in an interval is logged with what to do about it.
+first ``trimmed`` or ``prefetch_ended`` in an interval is logged with what to do about it (an
+expiry is found by the sweep, under the book's lock, and only counted).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ _ADVICE = {
         "best_effort a busy scheduler does not wait: run timeout (its default) and keep prefetch_timeout_base "
         "above a peer's first contact"
     ),
-    UnreadReason.EXPIRED: "the lease ran out before the read; raise lease_ms above SGLang's prefetch wait",
 }
 
 Page = tuple[str, str]  # (pool, page hash)
