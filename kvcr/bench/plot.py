@@ -141,3 +141,30 @@ def plot_overview(local: Sequence[Any], remote: Sequence[Any], path: Path) -> Pa
     ratio.axhline(1.0, color="grey", linewidth=0.8)
     _page_axis(ratio, sizes, "x baseline of the same run")
     return _save(figure, path)
+
+
+def plot_engine(results: Sequence[Any], path: Path) -> Path:
+    """``kvcr bench engine``: TTFT against prompt length per path; each restored path over recompute."""
+    figure, (ttft, ratio) = _axes("Time to first token, SmolLM2-135M on SGLang (CPU), kvcr as L3")
+    lengths = [r.prompt_tokens for r in results]
+    paths = (
+        ("recompute", "recompute_ms", None),
+        ("local kvcr DRAM", "local_ms", "local_ratio"),
+        ("peer over NIXL", "peer_nixl_ms", "peer_nixl_ratio"),
+        ("same-host peer (auto)", "peer_same_host_ms", "peer_same_host_ratio"),
+    )
+    for label, ms, ratio_field in paths:
+        _line(ttft, lengths, [getattr(r, ms) / 1e3 for r in results], label)
+        if ratio_field:
+            _line(ratio, lengths, [getattr(r, ratio_field) for r in results], label)
+    ratio.axhline(0.5, color="grey", linestyle=":", linewidth=1, label="0.5x recompute")
+    for ax, ylabel in ((ttft, "TTFT (s)"), (ratio, "restored / recompute")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.minorticks_off()
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    ratio.set_ylim(bottom=0)
+    return _save(figure, path)

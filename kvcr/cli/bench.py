@@ -143,27 +143,57 @@ def _bench_remote(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_engine(args: argparse.Namespace) -> int:
-    from kvcr.bench.engine import MAX_PROMPT_TOKENS, MIN_PROMPT_TOKENS, as_dict, engine_table, run_engine
-
+def _lengths(text: str) -> list[int]:
     try:
-        lengths = [int(part) for part in args.lengths.split(",") if part.strip()]
+        return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise KvcrError(f"--lengths: give token counts separated by commas, got {args.lengths!r}") from None
-    if not lengths or min(lengths) < MIN_PROMPT_TOKENS or max(lengths) > MAX_PROMPT_TOKENS:
-        raise KvcrError(
-            f"--lengths: each between {MIN_PROMPT_TOKENS} tokens (below it SGLang's prefetch threshold of 256 "
-            f"tokens leaves kvcr unasked) and {MAX_PROMPT_TOKENS} (the tiny model's context is 4096), got {lengths}"
-        )
+        raise KvcrError(f"--lengths: give token counts separated by commas, got {text!r}") from None
+
+
+def _real_engine_errors() -> tuple[type[BaseException], ...]:
+    from kvcr.testing.engine import EngineError
+    from kvcr.testing.real_model import RealModelError
+
+    return EngineError, RealModelError
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from kvcr.bench.engine import as_dict, check_lengths, engine_table, run_engine
+    from kvcr.bench.plot import plot_engine
+
+    lengths = _lengths(args.lengths)
     workdir = Path(args.workdir) if args.workdir else None
-    results = _Progress(1).step(
-        f"engine: two SGLang servers, prompts of {args.lengths} tokens x {args.reps}",
-        partial(run_engine, lengths, args.reps, layers=args.layers, workdir=workdir),
-    )
+    try:
+        check_lengths(lengths)
+        results = _Progress(1).step(
+            f"engine: four SGLang servers on SmolLM2-135M, prompts of {args.lengths} tokens x {args.reps}",
+            partial(run_engine, lengths, args.reps, workdir=workdir),
+        )
+    except _real_engine_errors() as exc:
+        raise KvcrError(str(exc).splitlines()[0]) from None
     print(engine_table(results))
+    _write(args, [as_dict(r) for r in results], lambda png: plot_engine(results, png))
+    return 0 if all(r.same_first_token for r in results) else 1
+
+
+def _bench_accuracy(args: argparse.Namespace) -> int:
+    from kvcr.bench.accuracy import accuracy_table, as_dict, run_accuracy
+    from kvcr.bench.engine import check_lengths
+
+    lengths = _lengths(args.lengths)
+    workdir = Path(args.workdir) if args.workdir else None
+    try:
+        check_lengths(lengths)
+        results, check = _Progress(1).step(
+            f"accuracy: four SGLang servers on SmolLM2-135M, prompts of {args.lengths} tokens, then the control",
+            partial(run_accuracy, lengths, new_tokens=args.new_tokens, workdir=workdir),
+        )
+    except _real_engine_errors() as exc:
+        raise KvcrError(str(exc).splitlines()[0]) from None
+    print(accuracy_table(results, check))
     if args.json:
-        print(f"wrote {_save_json(Path(args.json), [as_dict(r) for r in results])}", file=sys.stderr)
-    return 0
+        print(f"wrote {_save_json(Path(args.json), as_dict(results, check))}", file=sys.stderr)
+    return 0 if all(r.ok for r in results) and check.caught else 1
 
 
 def _bench_scale(args: argparse.Namespace) -> int:
@@ -305,14 +335,30 @@ def add_bench_commands(commands: Any, command: Callable[[Any, str, str], argpars
     remote.set_defaults(func=_bench_remote)
 
     engine = command(
-        which, "engine", "TTFT on real SGLang servers (CPU): recomputed vs restored from local kvcr DRAM vs from a peer"
+        which,
+        "engine",
+        "TTFT on a real model (SmolLM2-135M) under real SGLang servers (CPU): recompute vs restored from local "
+        "kvcr DRAM, a peer over NIXL, a same-host peer",
     )
-    engine.add_argument("--lengths", default="1024,2048", help="prompt lengths in tokens, comma-separated")
-    engine.add_argument("--reps", type=_positive("--reps"), default=3, help="fresh prompts per length")
-    engine.add_argument("--layers", type=_positive("--layers"), default=8, help="layers of the tiny model")
-    engine.add_argument("--workdir", default=None, help="keep the model and the servers' logs here")
-    engine.add_argument("--json", default="bench-results/engine.json", help="where to write the results ('' for none)")
+    engine.add_argument("--lengths", default="1024,2048,4096,8160", help="prompt lengths in tokens, comma-separated")
+    engine.add_argument("--reps", type=_positive("--reps"), default=2, help="fresh prompts per length")
+    engine.add_argument("--workdir", default=None, help="keep the servers' logs here")
+    _json_option(engine, "bench-results/engine.json")
     engine.set_defaults(func=_bench_engine)
+
+    accuracy = command(
+        which,
+        "accuracy",
+        "a real model's greedy answers and logprobs from scratch vs after each kind of kvcr restore, and a "
+        "corrupted-page control",
+    )
+    accuracy.add_argument("--lengths", default="1024,4096,8160", help="prompt lengths in tokens, comma-separated")
+    accuracy.add_argument("--new-tokens", type=_positive("--new-tokens"), default=16, help="answer tokens compared")
+    accuracy.add_argument("--workdir", default=None, help="keep the servers' logs here")
+    accuracy.add_argument(
+        "--json", default="bench-results/accuracy.json", help="where to write the results ('' for none)"
+    )
+    accuracy.set_defaults(func=_bench_accuracy)
 
     scale = command(
         which, "scale", "KV-event bytes per prefill token and the router's index update rate from a local fleet"

@@ -2,9 +2,11 @@
 
 The workers are Dynamo's own ``python -m dynamo.sglang`` (a real SGLang 0.5.23 engine each: its
 scheduler, radix tree and HiCache controller) with kvcr as HiCache's L3, started as an operator
-would (``kvcr.demo.dynamo.sglang_workers``), on the CPU with a tiny Llama written on the spot.
-Conversations go through ``/v1/completions`` as token ids (role tokens, a shared system prompt,
-each turn extending the last with the reply and a new user message), greedy. Whatever the router
+would (``kvcr.demo.dynamo.sglang_workers``), on the CPU with a real trained model, SmolLM2-135M-Instruct
+(``kvcr.testing.real_model``). Conversations go through ``/v1/completions`` as token ids in the
+model's chat format (a shared system prompt quoting Python's reference documentation, each turn
+extending the last with the reply and a new user message that quotes more and asks a question),
+greedy. Whatever the router
 decides, routing a turn to the worker that lacks its prefix attaches a hint, and that worker's
 kvcr reads the prefix from the peer's kvcr DRAM.
 
@@ -49,25 +51,16 @@ from typing import Any
 from kvcr.demo.dynamo.control_plane import ControlPlaneError
 from kvcr.demo.dynamo.deployment import Deployment, DeploymentError
 from kvcr.demo.dynamo.sglang_workers import (
-    SERVED_MODEL,
     SglangWorker,
     SglangWorkerSpec,
     start_sglang_worker,
     wait_sglang_ready,
 )
-from kvcr.testing.engine import (
-    PAGE_SIZE,
-    ROLES,
-    SPECIAL,
-    EngineError,
-    EngineServer,
-    token_id,
-    wait_for,
-    write_model,
-)
+from kvcr.testing.engine import PAGE_SIZE, EngineError, EngineServer, wait_for
+from kvcr.testing.real_model import MODEL_NAME, SERVE_ARGS, RealModelError, encode, real_model, reference_text
 
-WORDS = 1000  # the tiny model's vocabulary of words (kvcr.testing.engine.write_model)
 KVCR_PATHS = ("backup", "local_restore", "remote_restore", "served")
+ANSWERS_SHOWN = 3  # the table quotes the first words of this many answers (conversation 0's turns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +69,8 @@ class EngineDemoOptions:
     conversations: int = 4
     turns: int = 3
     system_tokens: int = 256
-    user_tokens: int = 96
-    reply_tokens: int = 16
+    user_tokens: int = 96  # documentation quoted in each user message, before its question
+    reply_tokens: int = 24
     gpu_tokens: int = 1024  # each engine's GPU pool; SGLang's host pool is twice this
     other_prompts: int = 16  # before each round after the second: other users' one-off prompts
     other_tokens: int = 600
@@ -94,6 +87,7 @@ class Turn:
     conversation: int
     turn: int
     prompt: list[int]
+    question: str = ""
     text: str = ""
     cached_tokens: int = 0
     error: str = ""
@@ -135,26 +129,62 @@ class EngineSummary:
         return checked and self.answered == len(self.turns) and not self.mismatched and reused
 
 
-def role(name: str) -> int:
-    """The token id of ``system:``, ``user:`` or ``assistant:`` in the tiny model's vocabulary."""
-    return len(SPECIAL) + WORDS + ROLES.index(f"{name}:")
+QUESTIONS = (
+    "What does the assert statement do?",
+    "When is the else clause of a for loop executed?",
+    "What is the difference between a list and a tuple?",
+    "How does the with statement close a file?",
+    "What does the global statement declare?",
+    "What is a generator expression?",
+    "How are keyword arguments passed to a function?",
+    "What happens when an exception is not handled?",
+    "What does the pass statement do?",
+    "How does a class inherit from another class?",
+    "What is the purpose of __init__?",
+    "What does the lambda keyword create?",
+)
+SYSTEM = "You are a helpful assistant who answers questions about Python from its reference documentation:\n"
 
 
-def words(start: int, count: int) -> list[int]:
-    return [token_id((start + i) % WORDS) for i in range(count)]
+class Dialogue:
+    """Token ids of the conversations on the real model (SmolLM2's chat format, ChatML).
 
+    The system prompt quotes Python's reference documentation; each user message quotes a further
+    excerpt and asks one of :data:`QUESTIONS`; a reply comes back as text and is tokenized again
+    (the next prompt holds those ids; the answer without reuse is asked the same ids).
+    """
 
-def ids_of(text: str) -> list[int]:
-    """The token ids of a reply (the vocabulary is one token per whitespace-separated word)."""
-    ids = []
-    for piece in text.split():
-        if piece in ROLES:
-            ids.append(role(piece[:-1]))
-        elif piece.startswith("w") and piece[1:].isdigit() and int(piece[1:]) < WORDS:
-            ids.append(token_id(int(piece[1:])))
-        else:
-            raise ValueError(f"a reply holds {piece!r}, not a word of the tiny model")
-    return ids
+    def __init__(self, model: Path, options: EngineDemoOptions) -> None:
+        self.model, self.options = model, options
+        self._doc = encode(model, reference_text())
+        head, tail = self.ids(f"<|im_start|>system\n{SYSTEM}"), self.ids("<|im_end|>\n")
+        self.system = head + self._doc[: max(16, options.system_tokens - len(head) - len(tail))] + tail
+
+    def ids(self, text: str) -> list[int]:
+        return encode(self.model, text)
+
+    def question(self, c: int, k: int) -> str:
+        return QUESTIONS[(c * self.options.turns + k) % len(QUESTIONS)]
+
+    def user(self, c: int, k: int) -> list[int]:
+        o = self.options
+        question = self.question(c, k)
+        start = 5000 + (c * o.turns + k) * o.user_tokens
+        quote = self._doc[start : start + o.user_tokens]
+        return [
+            *self.ids("<|im_start|>user\nMore of the documentation:\n"),
+            *quote,
+            *self.ids(f"\n\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n"),
+        ]
+
+    def reply(self, text: str) -> list[int]:
+        return self.ids(f"{text}<|im_end|>\n")
+
+    def other(self, k: int, i: int) -> list[int]:
+        """Another user's one-off prompt of ``other_tokens``: an excerpt nobody else asks about."""
+        start = 40_000 + (k * self.options.other_prompts + i) * self.options.other_tokens
+        body = self._doc[start : start + self.options.other_tokens - 12]
+        return [*self.ids("<|im_start|>user\n"), *body, *self.ids("<|im_end|>\n<|im_start|>assistant\n")]
 
 
 class Conversations:
@@ -167,14 +197,19 @@ class Conversations:
     """
 
     def __init__(
-        self, deployment: Deployment, options: EngineDemoOptions, on_turn: Any, settled: Callable[[], None]
+        self,
+        deployment: Deployment,
+        dialogue: Dialogue,
+        options: EngineDemoOptions,
+        on_turn: Any,
+        settled: Callable[[], None],
     ) -> None:
-        self.deployment, self.options, self.on_turn, self.settled = deployment, options, on_turn, settled
+        self.deployment, self.dialogue, self.options = deployment, dialogue, options
+        self.on_turn, self.settled = on_turn, settled
         self.turns: list[Turn] = []
         self.other_errors: list[str] = []
         self._lock = threading.Lock()
-        self._system = [role("system"), *words(500, options.system_tokens - 1)]
-        self._prompts = {c: list(self._system) for c in range(options.conversations)}
+        self._prompts = {c: list(dialogue.system) for c in range(options.conversations)}
         self._failed: set[int] = set()
 
     def run(self) -> list[Turn]:
@@ -204,14 +239,14 @@ class Conversations:
             return
         o = self.options
         prompt = self._prompts[c]
-        prompt += [role("user"), *words(17 * c + 131 * k, o.user_tokens), role("assistant")]
-        turn = Turn(c, k, list(prompt))
+        prompt += self.dialogue.user(c, k)
+        turn = Turn(c, k, list(prompt), question=self.dialogue.question(c, k))
         try:
             reply = self.deployment.complete(prompt, max_tokens=o.reply_tokens, sampling={"temperature": 0})
             turn.text = str(reply["choices"][0]["text"])
             details = (reply.get("usage") or {}).get("prompt_tokens_details") or {}
             turn.cached_tokens = int(details.get("cached_tokens") or 0)
-            prompt += ids_of(turn.text)
+            prompt += self.dialogue.reply(turn.text)
         except (DeploymentError, KeyError, IndexError, TypeError, ValueError) as exc:
             turn.error = str(exc)
             self._failed.add(c)
@@ -221,7 +256,7 @@ class Conversations:
 
     def _other(self, k: int, i: int) -> None:
         """One other user's one-off prompt (its answer is not checked)."""
-        prompt = [role("user"), *words(7 * i + 59 * k + 3, self.options.other_tokens - 1)]
+        prompt = self.dialogue.other(k, i)
         try:
             self.deployment.complete(prompt, max_tokens=1, sampling={"temperature": 0})
         except (DeploymentError, KeyError, IndexError, TypeError, ValueError) as exc:
@@ -231,7 +266,7 @@ class Conversations:
 
 def answers_without_reuse(model: Path, workdir: Path, turns: Sequence[Turn], reply_tokens: int) -> list[str]:
     """Every turn's answer from a SGLang server with no cache at all (greedy, the same token limit)."""
-    server = EngineServer(model, workdir / "reference.log", reuse=False)
+    server = EngineServer(model, workdir / "reference.log", reuse=False, extra_args=SERVE_ARGS)
     with server:
         return [
             str(server.generate(t.prompt, max_new_tokens=reply_tokens, ignore_eos=False, logprobs=False)["text"])
@@ -248,11 +283,16 @@ def run_engine_demo(options: EngineDemoOptions) -> int:
     started = time.monotonic()
     with ExitStack() as stack:
         workdir = Path(options.workdir) if options.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        model = write_model(workdir / "engine-model", words=WORDS)
+        try:
+            model = real_model()
+        except RealModelError as exc:
+            results.print(f"[red]kvcr demo: {exc}[/red]")
+            return 1
+        dialogue = Dialogue(model, options)
         deployment = stack.enter_context(
             Deployment(
                 workdir / "deployment",
-                served_model=SERVED_MODEL,
+                served_model=MODEL_NAME,
                 discovery_backend=options.discovery,
                 event_plane=options.event_plane,
             )
@@ -263,8 +303,7 @@ def run_engine_demo(options: EngineDemoOptions) -> int:
             try:
                 deployment.start_frontend()
                 workers = [
-                    start_sglang_worker(deployment, model, SglangWorkerSpec(f"sglang-{i}", options.gpu_tokens))
-                    for i in range(options.workers)
+                    start_sglang_worker(deployment, model, worker_spec(i, options)) for i in range(options.workers)
                 ]
                 wait_sglang_ready(deployment, workers)
             except (DeploymentError, ControlPlaneError) as exc:
@@ -288,7 +327,7 @@ def run_engine_demo(options: EngineDemoOptions) -> int:
                 wait_for(lambda: _backed_up(workers) >= pages, 60, "the first turn's pages in kvcr")
             time.sleep(options.settle_s)
 
-        conversations = Conversations(deployment, options, advanced, settled)
+        conversations = Conversations(deployment, dialogue, options, advanced, settled)
         turns = conversations.run()
         summary = EngineSummary(turns)
         summary.other_prompts = options.other_prompts * max(0, options.turns - 2) - len(conversations.other_errors)
@@ -307,6 +346,11 @@ def run_engine_demo(options: EngineDemoOptions) -> int:
     results.print(_table(summary))
     results.print(_verdict(summary))
     return 0 if summary.ok else 1
+
+
+def worker_spec(i: int, options: EngineDemoOptions) -> SglangWorkerSpec:
+    """Worker ``i``: the real model computed in float32 (kvcr.testing.real_model), a small GPU pool."""
+    return SglangWorkerSpec(f"sglang-{i}", options.gpu_tokens, extra_args=SERVE_ARGS, served_model=MODEL_NAME)
 
 
 def _backed_up(workers: Sequence[SglangWorker]) -> int:
@@ -346,7 +390,17 @@ def _table(s: EngineSummary) -> Any:
     for worker, by_path in sorted(s.pages.items()):
         pages = " / ".join(str(by_path[p]) for p in KVCR_PATHS)
         table.add_row(f"  {worker}: backup / local / from peer / served", pages)
+    for turn in s.turns[:ANSWERS_SHOWN]:
+        table.add_row(
+            f"  c{turn.conversation} t{turn.turn}: {turn.question}", first_words(turn.text) or turn.error[:40]
+        )
     return table
+
+
+def first_words(text: str, words: int = 9) -> str:
+    """The first ``words`` words of an answer, on one line."""
+    parts = text.split()
+    return " ".join(parts[:words]) + (" ..." if len(parts) > words else "")
 
 
 def _verdict(s: EngineSummary) -> str:

@@ -43,6 +43,7 @@ CPU_FLAGS = (
     "--hicache-io-backend", "direct",
     "--hicache-mem-layout", "page_first_direct",
     "--skip-server-warmup",
+    "--sleep-on-idle",
 )  # fmt: skip
 
 

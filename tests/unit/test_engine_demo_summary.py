@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcr.cli import main
-from kvcr.demo.engines import EngineSummary, Turn, ids_of, role
-from kvcr.testing.engine import token_id
+from kvcr.demo.engines import EngineSummary, Turn, first_words
 
 
 def summary(texts, reference, remote=16, local=8, error=""):
@@ -35,10 +34,11 @@ def test_no_reference_or_no_peer_pages_or_a_lost_turn_is_not_ok():
     assert not summary(["", "w3"], ["", "w3"], error="HTTP 500").ok
 
 
-def test_a_reply_is_read_back_as_the_tiny_models_token_ids():
-    assert ids_of("w0 w17 assistant: w999") == [token_id(0), token_id(17), role("assistant"), token_id(999)]
-    with pytest.raises(ValueError, match="'hello'"):
-        ids_of("w1 hello")
+def test_an_answer_is_quoted_by_its_first_words_on_one_line():
+    assert first_words("The assert statement\nchecks a condition and raises AssertionError if it is false.", 5) == (
+        "The assert statement checks a ..."
+    )
+    assert first_words("Yes.") == "Yes." and first_words("") == ""
 
 
 def test_the_stand_in_options_are_refused_with_the_sglang_engine_the_default():

@@ -41,6 +41,7 @@ class SglangWorkerSpec:
     max_total_tokens: int = 4096
     kvcr_settings: Mapping[str, Any] = field(default_factory=dict)  # over the loopback defaults
     extra_args: tuple[str, ...] = ()
+    served_model: str = SERVED_MODEL
 
 
 @dataclass
@@ -84,7 +85,7 @@ def worker_args(model: Path, control_port: int, events_port: int, spec: SglangWo
     extra = kvcr_extra_config(control_port, **settings)
     return [
         "-m", "dynamo.sglang",
-        "--model-path", str(model), "--served-model-name", SERVED_MODEL,
+        "--model-path", str(model), "--served-model-name", spec.served_model,
         *CPU_FLAGS,
         "--page-size", str(PAGE_SIZE), "--max-total-tokens", str(spec.max_total_tokens),
         *kvcr_l3_args(extra),

@@ -30,7 +30,8 @@ their variable is set. Neither touches kvcr:
 
 * ``KVCR_ENGINE_CORRUPT_FLAG=<path>``: while that file exists, the pages kvcr restored into the host
   pool are overwritten with noise after the read returns, so a test can show that its check of a
-  restored answer can fail (and, once the file is gone, that the same restore is then right).
+  restored answer can fail (and, once the file is gone, that the same restore is then right). A file
+  holding a number ``N`` limits that to ``N`` pages of each read, from the middle of what it restored.
 * ``KVCR_ENGINE_READ_DELAY_S=<seconds>``: the read starts that much later. The hit query has already
   leased a hinted source's pages by then, so a test can freeze or kill the source between the lease
   and the read (while this replica restores).
@@ -107,12 +108,25 @@ def _read_controls(module: types.ModuleType) -> None:
             pool = group.anchor_entry.host_pool if hasattr(group, "anchor_entry") else group
             tokens = host_indices[: restored * pool.page_size].to(torch.int64)
             gen = torch.Generator().manual_seed(restored)
-            for page in torch.unique(torch.div(tokens, pool.page_size, rounding_mode="floor")).tolist():
+            pages = torch.unique(torch.div(tokens, pool.page_size, rounding_mode="floor")).tolist()
+            limit = _corrupt_limit(flag)
+            if limit:  # only that many pages, from the middle of what this read restored
+                pages = pages[len(pages) // 2 :][:limit]
+            for page in pages:
                 view = pool.get_data_page(int(page) * pool.page_size, flat=False)
                 view.copy_(torch.randn(view.shape, generator=gen).to(view.dtype) * 4)
         return restored
 
     cls._page_get_zero_copy = _page_get_zero_copy
+
+
+def _corrupt_limit(flag: str) -> int:
+    """The page count the flag file names (0, empty or unreadable: every restored page)."""
+    try:
+        with open(flag) as handle:
+            return max(0, int(handle.read().strip() or 0))
+    except (OSError, ValueError):
+        return 0
 
 
 # Names SGLang probes with hasattr(torch.ops.sgl_kernel, ...) to choose a CPU kernel: they must stay

@@ -1,0 +1,191 @@
+"""Four SGLang servers on the real model (:mod:`kvcr.testing.real_model`), kvcr as L3, one run per path.
+
+Two pairs, one per data plane, because every replica of a kvcr cluster uses the same transport:
+
+* ``nixl``: A (the source; its own restores are the *local* path) and B (follows hints: the *peer
+  over NIXL* path, UCX on loopback);
+* ``auto`` (kvcr's default): A2 (a second source) and C (follows hints: the *same-host peer* path,
+  which ``auto`` serves over the shm plane).
+
+For one prompt :meth:`RealFleet.paths` asks, in this order: A cold (**scratch**: nothing cached
+anywhere), A2 cold (**scratch_again**: a second from-scratch computation in another process, the
+recompute-against-recompute noise), A again (**device**: SGLang's own device radix hit, the seed's
+"local HBM"), A after ``/flush_cache`` (**local**: from A's kvcr DRAM), B with a hint naming A
+(**peer_nixl**), C with a hint naming A2 (**peer_same_host**). Each restored reply must show the
+restore in SGLang's ``cached_tokens``, or :class:`~kvcr.testing.engine.EngineError` says which did not.
+
+A carries the harness's corruption control (``KVCR_ENGINE_CORRUPT_FLAG``, ``engine_shims``):
+:meth:`RealFleet.corrupted_local` restores a fresh prompt on A with one page overwritten after
+kvcr's read, so a check can show that it catches a wrong page.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcr.testing.engine import (
+    PAGE_SIZE,
+    EngineError,
+    EngineServer,
+    fetch_hint,
+    start_all,
+    stop_all,
+    wait_for,
+)
+from kvcr.testing.real_model import SERVE_ARGS
+
+PATHS = ("scratch", "scratch_again", "device", "local", "peer_nixl", "peer_same_host")
+RESTORED = ("local", "peer_nixl", "peer_same_host")
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x KV heads x head_dim x float32
+SGLANG_PREFETCH_THRESHOLD = 256  # tokens: SGLang asks L3 for nothing shorter (its default, kept here)
+
+
+@dataclass
+class Reply:
+    """One greedy answer: its token ids, their logprobs, the text, SGLang's cached tokens, the wall time."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    text: str
+    cached_tokens: int
+    storage_tokens: int  # of cached_tokens, those SGLang read from L3 (kvcr)
+    seconds: float
+
+    @classmethod
+    def of(cls, answer: dict[str, Any], seconds: float) -> Reply:
+        meta = answer["meta_info"]
+        return cls(
+            output_ids=list(answer["output_ids"]),
+            logprobs=[float(lp[0]) for lp in meta["output_token_logprobs"]],
+            text=str(answer.get("text", "")),
+            cached_tokens=int(meta["cached_tokens"]),
+            storage_tokens=int((meta.get("cached_tokens_details") or {}).get("storage") or 0),
+            seconds=seconds,
+        )
+
+
+def logprob_gap(a: Reply, b: Reply) -> float:
+    """The largest absolute logprob difference over the tokens both answers share."""
+    return max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=False)), default=0.0)
+
+
+@dataclass
+class RealFleet:
+    """The four servers; a context manager that starts them together and stops them together."""
+
+    model: Path
+    workdir: Path
+    max_prompt_tokens: int
+    prompts: int  # how many prompts of at most max_prompt_tokens kvcr DRAM must hold at once
+    servers: dict[str, EngineServer] = field(default_factory=dict)
+    corrupt_flag: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.corrupt_flag = self.workdir / "corrupt-a"
+        tokens = self.max_prompt_tokens + 1024
+        prompt_bytes = (self.max_prompt_tokens + 4 * PAGE_SIZE) * KV_BYTES_PER_TOKEN
+        # A source holds every prompt, and one peer may lease at most a quarter of its pool at once
+        # (peer_lease_share 0.5 of the half that leases may pin): four prompts' worth at least.
+        source = {"dram_bytes": int(max(1.25 * self.prompts, 4.0) * prompt_bytes)}
+        target = {"dram_bytes": int(1.25 * prompt_bytes), "enable_remote_hint": True}
+
+        def server(name: str, settings: dict[str, Any], env: dict[str, str] | None = None) -> EngineServer:
+            log = self.workdir / f"{name}.log"
+            return EngineServer(
+                self.model, log, max_total_tokens=tokens, kvcr_settings=settings, env=env or {},
+                extra_args=SERVE_ARGS,
+            )  # fmt: skip
+
+        corrupt = {"KVCR_ENGINE_CORRUPT_FLAG": str(self.corrupt_flag)}
+        self.servers = {
+            "a": server("a", source | {"transport": "nixl"}, corrupt),
+            "b": server("b", target | {"transport": "nixl"}),
+            "a2": server("a2", source | {"transport": "auto"}),
+            "c": server("c", target | {"transport": "auto"}),
+        }
+
+    def __enter__(self) -> RealFleet:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        start_all(list(self.servers.values()), timeout_s=480.0)
+        try:
+            warm = [1, 2, 3, 4] * 16  # every server's first request pays one-time costs
+            for server in self.servers.values():
+                server.generate(warm, max_new_tokens=1, timeout_s=300.0)
+        except BaseException:
+            stop_all(list(self.servers.values()))
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop_all(list(self.servers.values()))
+
+    def paths(
+        self, ids: Sequence[int], max_new_tokens: int, *, on_path: Callable[[str], None] | None = None
+    ) -> dict[str, Reply]:
+        """Every path of :data:`PATHS` for ``ids`` (a prompt no server has seen), in that order."""
+        a, b, a2, c = (self.servers[n] for n in ("a", "b", "a2", "c"))
+        pages = (len(ids) - 1) // PAGE_SIZE
+        replies: dict[str, Reply] = {}
+
+        def ask(path: str, server: EngineServer, hint: Any = None) -> None:
+            if on_path:
+                on_path(path)
+            started = time.perf_counter()
+            answer = server.generate(ids, max_new_tokens=max_new_tokens, kv_hints=hint, timeout_s=900.0)
+            replies[path] = Reply.of(answer, time.perf_counter() - started)
+
+        backed_a, backed_a2 = a.kvcr_pages("backup"), a2.kvcr_pages("backup")
+        ask("scratch", a)
+        ask("scratch_again", a2)
+        ask("device", a)
+        _backed_up(a, backed_a + pages)
+        _backed_up(a2, backed_a2 + pages)
+        a.flush_cache()
+        ask("local", a)
+        ask("peer_nixl", b, fetch_hint(a, ids))
+        ask("peer_same_host", c, fetch_hint(a2, ids))
+        for path in ("scratch", "scratch_again"):
+            if replies[path].cached_tokens:
+                raise EngineError(f"{path} was not computed from scratch: {replies[path].cached_tokens} tokens cached")
+        for path in ("device", *RESTORED):
+            reused = replies[path].storage_tokens if path in RESTORED else replies[path].cached_tokens
+            if reused < pages * PAGE_SIZE:
+                raise EngineError(
+                    f"{path}: SGLang reused {reused} of the prompt's {pages * PAGE_SIZE} reusable tokens "
+                    f"{'from kvcr' if path in RESTORED else 'from its device cache'}"
+                )
+        return replies
+
+    def corrupted_local(self, ids: Sequence[int], max_new_tokens: int, pages: int = 1) -> tuple[Reply, Reply]:
+        """``ids`` from scratch on A, then restored from A's kvcr DRAM with ``pages`` pages overwritten."""
+        a = self.servers["a"]
+        backed = a.kvcr_pages("backup")
+        started = time.perf_counter()
+        scratch = Reply.of(
+            a.generate(ids, max_new_tokens=max_new_tokens, timeout_s=900.0), time.perf_counter() - started
+        )
+        _backed_up(a, backed + (len(ids) - 1) // PAGE_SIZE)
+        a.flush_cache()
+        self.corrupt_flag.write_text(str(pages))
+        try:
+            started = time.perf_counter()
+            answer = a.generate(ids, max_new_tokens=max_new_tokens, timeout_s=900.0)
+            corrupted = Reply.of(answer, time.perf_counter() - started)
+        finally:
+            self.corrupt_flag.unlink(missing_ok=True)
+        a.flush_cache()  # the corrupted pages leave A's device cache (its host pool keeps them: fresh prompts only)
+        if not corrupted.cached_tokens:
+            raise EngineError("the corruption control's restore did not happen (no cached tokens)")
+        return scratch, corrupted
+
+    def restore_seconds(self, server: str, path: str) -> float:
+        """``kvcr_restore_seconds_sum{path}`` on ``server``: kvcr's time in restore batches so far."""
+        return self.servers[server].metric("kvcr_restore_seconds_sum", path=path)
+
+
+def _backed_up(server: EngineServer, pages: int) -> None:
+    wait_for(lambda: server.kvcr_pages("backup") >= pages, 300.0, "the prompt's pages in kvcr DRAM")
