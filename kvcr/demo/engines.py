@@ -60,6 +60,7 @@ from kvcr.testing.engine import PAGE_SIZE, EngineError, EngineServer, wait_for
 from kvcr.testing.real_model import MODEL_NAME, SERVE_ARGS, RealModelError, encode, real_model, reference_text
 
 KVCR_PATHS = ("backup", "local_restore", "remote_restore", "served")
+DRAM = "1GiB"  # per worker: ~1,450 of the real model's 720 KiB pages, every conversation and other prompt
 ANSWERS_SHOWN = 3  # the table quotes the first words of this many answers (conversation 0's turns)
 
 
@@ -349,8 +350,15 @@ def run_engine_demo(options: EngineDemoOptions) -> int:
 
 
 def worker_spec(i: int, options: EngineDemoOptions) -> SglangWorkerSpec:
-    """Worker ``i``: the real model computed in float32 (kvcr.testing.real_model), a small GPU pool."""
-    return SglangWorkerSpec(f"sglang-{i}", options.gpu_tokens, extra_args=SERVE_ARGS, served_model=MODEL_NAME)
+    """Worker ``i``: the real model computed in float32 (kvcr.testing.real_model), a small GPU pool, kvcr
+    DRAM that keeps the whole workload."""
+    return SglangWorkerSpec(
+        f"sglang-{i}",
+        options.gpu_tokens,
+        kvcr_settings={"dram_bytes": DRAM},
+        extra_args=SERVE_ARGS,
+        served_model=MODEL_NAME,
+    )
 
 
 def _backed_up(workers: Sequence[SglangWorker]) -> int:

@@ -193,6 +193,9 @@ def cpu_engine_environment(base: Mapping[str, str]) -> dict[str, str]:
         env.setdefault(var, str(REPO / ".cache" / sub))
     path = [str(SHIMS), str(REPO), env.get("PYTHONPATH", ""), str(STUBS)]
     env["PYTHONPATH"] = os.pathsep.join(part for part in path if part)
+    # torch's OpenMP threads spin after each parallel region by default; two engines computing at
+    # once on a small machine then wait on each other's spinning threads (docs/engine-on-cpu.md).
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env |= {
         "SGLANG_USE_CPU_ENGINE": "1",
         "HF_HUB_OFFLINE": "1",
