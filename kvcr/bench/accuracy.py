@@ -113,7 +113,7 @@ def run_accuracy(
     model = real_model()
     with tempfile.TemporaryDirectory(prefix="kvcr-bench-accuracy-") as scratch:
         root = workdir or Path(scratch)
-        with RealFleet(model, root, max_prompt_tokens=max(lengths), prompts=len(lengths) + 1) as fleet:
+        with RealFleet(model, root, max_prompt_tokens=max(lengths)) as fleet:
             results = []
             for i, length in enumerate(lengths):
                 if on_step:

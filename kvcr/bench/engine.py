@@ -65,7 +65,7 @@ def run_engine(
     model = real_model()
     with tempfile.TemporaryDirectory(prefix="kvcr-bench-engine-") as scratch:
         root = workdir or Path(scratch)
-        with RealFleet(model, root, max_prompt_tokens=max(lengths), prompts=len(lengths) * reps + 1) as fleet:
+        with RealFleet(model, root, max_prompt_tokens=max(lengths)) as fleet:
             return [_measure(fleet, model, length, reps, on_step) for length in lengths]
 
 

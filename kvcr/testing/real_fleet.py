@@ -41,6 +41,10 @@ from kvcr.testing.real_model import SERVE_ARGS
 PATHS = ("scratch", "scratch_again", "device", "local", "peer_nixl", "peer_same_host")
 RESTORED = ("local", "peer_nixl", "peer_same_host")
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x KV heads x head_dim x float32
+# SGLang sizes an unset host pool from free memory less a 10 GiB reserve and refuses to start when
+# four servers' kvcr arenas leave less; the ratio set explicitly (its default, 2x the device pool)
+# skips that sizing.
+HOST_POOL_ARGS = ("--hicache-ratio", "2")
 SGLANG_PREFETCH_THRESHOLD = 256  # tokens: SGLang asks L3 for nothing shorter (its default, kept here)
 
 
@@ -80,7 +84,6 @@ class RealFleet:
     model: Path
     workdir: Path
     max_prompt_tokens: int
-    prompts: int  # how many prompts of at most max_prompt_tokens kvcr DRAM must hold at once
     servers: dict[str, EngineServer] = field(default_factory=dict)
     corrupt_flag: Path = field(init=False)
 
@@ -88,24 +91,26 @@ class RealFleet:
         self.corrupt_flag = self.workdir / "corrupt-a"
         tokens = self.max_prompt_tokens + 1024
         prompt_bytes = (self.max_prompt_tokens + 4 * PAGE_SIZE) * KV_BYTES_PER_TOKEN
-        # A source holds every prompt, and one peer may lease at most a quarter of its pool at once
-        # (peer_lease_share 0.5 of the half that leases may pin): four prompts' worth at least.
-        source = {"dram_bytes": int(max(1.25 * self.prompts, 4.0) * prompt_bytes)}
+        # A source holds the prompt being read (older ones are evicted, least recently used first),
+        # and one peer may pin at most peer_lease_share of the half of a pool that leases may pin:
+        # with 1.0, a prompt needs a pool of twice its size.
+        source = {"dram_bytes": int(2.5 * prompt_bytes), "peer_lease_share": 1.0}
         target = {"dram_bytes": int(1.25 * prompt_bytes), "enable_remote_hint": True}
 
         def server(name: str, settings: dict[str, Any], env: dict[str, str] | None = None) -> EngineServer:
             log = self.workdir / f"{name}.log"
             return EngineServer(
                 self.model, log, max_total_tokens=tokens, kvcr_settings=settings, env=env or {},
-                extra_args=SERVE_ARGS,
+                extra_args=(*SERVE_ARGS, *HOST_POOL_ARGS),
             )  # fmt: skip
 
-        corrupt = {"KVCR_ENGINE_CORRUPT_FLAG": str(self.corrupt_flag)}
+        reserve = {"KVCR_ENGINE_HOST_RESERVE_GIB": "2"}  # four servers fit a 24 GiB machine (engine_shims)
+        corrupt = reserve | {"KVCR_ENGINE_CORRUPT_FLAG": str(self.corrupt_flag)}
         self.servers = {
             "a": server("a", source | {"transport": "nixl"}, corrupt),
-            "b": server("b", target | {"transport": "nixl"}),
-            "a2": server("a2", source | {"transport": "auto"}),
-            "c": server("c", target | {"transport": "auto"}),
+            "b": server("b", target | {"transport": "nixl"}, reserve),
+            "a2": server("a2", source | {"transport": "auto"}, reserve),
+            "c": server("c", target | {"transport": "auto"}, reserve),
         }
 
     def __enter__(self) -> RealFleet:

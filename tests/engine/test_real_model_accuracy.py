@@ -16,12 +16,13 @@ from kvcr.testing.real_fleet import RESTORED, RealFleet
 from kvcr.testing.real_model import decode, document_prompt, real_model
 
 LENGTHS = (1024, 2048)
+pytestmark = [pytest.mark.timeout(600)]  # the first test also converts the model (once) and starts four servers
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     model = real_model()
-    with RealFleet(model, tmp_path_factory.mktemp("real"), max_prompt_tokens=max(LENGTHS), prompts=4) as fleet:
+    with RealFleet(model, tmp_path_factory.mktemp("real"), max_prompt_tokens=max(LENGTHS)) as fleet:
         yield model, fleet
 
 

@@ -1,4 +1,4 @@
-"""kvcr.testing.real_model's failures: a missing package or a failed conversion is one clear line, nothing half-written."""
+"""kvcr.testing.real_model's failures: a missing package or a failed conversion is one line, nothing half-written."""
 
 import pytest
 

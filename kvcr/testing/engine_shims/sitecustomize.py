@@ -24,6 +24,11 @@ What each shim stands in for (paths inside the ``sglang`` package):
   decoding). No CPU build of ``sgl_kernel`` is published, so a stand-in package provides the two ops
   a plain forward pass reaches, in torch, and names that raise for everything else.
 
+``KVCR_ENGINE_HOST_RESERVE_GIB=<GiB>``: SGLang refuses a HiCache host pool larger than the host's
+available memory less a fixed 10 GiB reserve (``srt/mem_cache/pool_host/base.py``), sized for
+machines with hundreds of GiB; several servers of a real model on a 24 GiB test machine need a
+smaller one. Only the launched process reads it; unset, SGLang's reserve stands.
+
 Two test-only controls around SGLang's L3 read, ``HiCacheController._page_get_zero_copy``
 (``srt/managers/cache_controller.py:1113``, which calls the backend's ``batch_get_v1``), off unless
 their variable is set. Neither touches kvcr:
@@ -52,6 +57,7 @@ from typing import Any
 
 CORRUPT_ENV = "KVCR_ENGINE_CORRUPT_FLAG"
 DELAY_ENV = "KVCR_ENGINE_READ_DELAY_S"
+RESERVE_ENV = "KVCR_ENGINE_HOST_RESERVE_GIB"
 
 
 def _no_accelerator() -> bool:
@@ -61,6 +67,9 @@ def _no_accelerator() -> bool:
 
 
 def _unpinned_host_pools(module: types.ModuleType) -> None:
+    reserve_gib = os.environ.get(RESERVE_ENV)
+    if reserve_gib and hasattr(module, "HICACHE_HOST_MEMORY_RESERVE_BYTES"):
+        setattr(module, "HICACHE_HOST_MEMORY_RESERVE_BYTES", int(float(reserve_gib) * (1 << 30)))  # noqa: B010
     cls = module.HostKVCache
     original = cls.__init__
     signature = inspect.signature(original)
