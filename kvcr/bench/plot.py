@@ -148,15 +148,16 @@ def plot_engine(results: Sequence[Any], path: Path) -> Path:
     figure, (ttft, ratio) = _axes("Time to first token, SmolLM2-135M on SGLang (CPU), kvcr as L3")
     lengths = [r.prompt_tokens for r in results]
     paths = (
-        ("recompute", "recompute_ms", None),
-        ("local kvcr DRAM", "local_ms", "local_ratio"),
-        ("peer over NIXL", "peer_nixl_ms", "peer_nixl_ratio"),
-        ("same-host peer (auto)", "peer_same_host_ms", "peer_same_host_ratio"),
-    )
-    for label, ms, ratio_field in paths:
-        _line(ttft, lengths, [getattr(r, ms) / 1e3 for r in results], label)
+        ("recompute", "recompute_ms", None, "C0"),
+        ("local kvcr DRAM", "local_ms", "local_ratio", "C1"),
+        ("peer over NIXL", "peer_nixl_ms", "peer_nixl_ratio", "C2"),
+        ("same-host peer (auto)", "peer_same_host_ms", "peer_same_host_ratio", "C3"),
+    )  # one colour per path in both panels
+    for label, ms, ratio_field, colour in paths:
+        ttft.plot(lengths, [getattr(r, ms) / 1e3 for r in results], "-o", label=label, markersize=4, color=colour)
         if ratio_field:
-            _line(ratio, lengths, [getattr(r, ratio_field) for r in results], label)
+            values = [getattr(r, ratio_field) for r in results]
+            ratio.plot(lengths, values, "-o", label=label, markersize=4, color=colour)
     ratio.axhline(0.5, color="grey", linestyle=":", linewidth=1, label="0.5x recompute")
     for ax, ylabel in ((ttft, "TTFT (s)"), (ratio, "restored / recompute")):
         ax.set_xscale("log", base=2)
