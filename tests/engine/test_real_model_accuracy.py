@@ -9,6 +9,10 @@ over NIXL and from a same-host peer over the default transport, within the bound
 the same check must catch it. ``kvcr bench accuracy`` runs the same probe up to 8,160 tokens.
 """
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 
 from kvcr.bench.accuracy import FLOOR, NEW_TOKENS, accuracy_table, control, judge
@@ -63,3 +67,28 @@ def test_one_corrupted_page_is_caught(fleet, results):
     print(accuracy_table(results, check))
     assert check.caught, f"one corrupted page went unnoticed (gap {check.gap}, same tokens {check.same_tokens})"
     assert check.gap > 100 * bound  # far outside the noise, not at its edge
+
+
+def _group_cpu_seconds(pgid):
+    """CPU seconds (user + system) of every thread of every process in process group ``pgid``."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/task/[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # a thread that ended while the scan ran
+        fields = text[text.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def test_idle_servers_leave_the_cpu_alone(fleet, results):
+    """An idle SGLang scheduler on the CPU polled without pause and held a core each (--sleep-on-idle fixed it)."""
+    _, servers = fleet
+    pgids = [server.proc.pid for server in servers.servers.values()]
+    before = [_group_cpu_seconds(pgid) for pgid in pgids]
+    time.sleep(3.0)
+    used = [_group_cpu_seconds(pgid) - b for pgid, b in zip(pgids, before, strict=True)]
+    print(f"CPU seconds of four idle servers over 3 s: {used}")
+    assert max(used) < 1.5, used  # a spinning scheduler alone uses 3.0
