@@ -345,6 +345,7 @@ def run_engine_demo(options: EngineDemoOptions) -> int:
             except EngineError as exc:
                 summary.reference_error = str(exc).splitlines()[0]
     results.print(_table(summary))
+    results.print(_answers(summary))
     results.print(_verdict(summary))
     return 0 if summary.ok else 1
 
@@ -398,10 +399,18 @@ def _table(s: EngineSummary) -> Any:
     for worker, by_path in sorted(s.pages.items()):
         pages = " / ".join(str(by_path[p]) for p in KVCR_PATHS)
         table.add_row(f"  {worker}: backup / local / from peer / served", pages)
-    for turn in s.turns[:ANSWERS_SHOWN]:
-        table.add_row(
-            f"  c{turn.conversation} t{turn.turn}: {turn.question}", first_words(turn.text) or turn.error[:40]
-        )
+    return table
+
+
+def _answers(s: EngineSummary) -> Any:
+    """Conversation 0's questions and the first words of the model's answers (a table of its own)."""
+    from rich.table import Table
+
+    table = Table(title="what the model answered (conversation 0)", header_style="bold")
+    table.add_column("question")
+    table.add_column("answer (first words)")
+    for turn in [t for t in s.turns if t.conversation == 0][:ANSWERS_SHOWN]:
+        table.add_row(turn.question, first_words(turn.text) or turn.error[:60])
     return table
 
 

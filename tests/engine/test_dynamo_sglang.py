@@ -127,19 +127,21 @@ def test_a_hinted_request_restores_the_prefix_from_the_peer(deployment):
     remote_before, served_before = b.kvcr_pages("remote_restore"), a.kvcr_pages("served")
     time.sleep(1)  # A's KV events reach the router
     # The router sends a request to B (with a hint to A) once A looks busy enough; how many requests
-    # that takes depends on the machine's load, so keep A busy until B has taken one (at most 10).
+    # that takes depends on the machine's load, so keep A busy until B has taken one (at most 16).
+    # Long answers keep each request running on A: an idle CPU engine no longer spins a core
+    # (--sleep-on-idle) and answers 40 tokens faster than the next request arrives.
     threads, bodies, answers = [], [], {}
 
     def ask(k: int) -> None:
         answers[k] = http(f"{url}/v1/completions", bodies[k])["choices"][0]["text"]
 
-    for k in range(10):
+    for k in range(16):
         suffix = " ".join(word(t - token_id(0)) for t in prompt_ids(300, seed=100 + k))
-        bodies.append({"model": SERVED_MODEL, "prompt": f"{prompt} {suffix}", "max_tokens": 40, "temperature": 0})
+        bodies.append({"model": SERVED_MODEL, "prompt": f"{prompt} {suffix}", "max_tokens": 200, "temperature": 0})
         thread = threading.Thread(target=ask, args=(k,), daemon=True)
         thread.start()
         threads.append(thread)
-        time.sleep(0.4)
+        time.sleep(0.2)
         if k >= 2 and cached_tokens(b)[seen_by_b:]:
             break
     for thread in threads:

@@ -29,4 +29,6 @@ def test_the_demo_on_real_engines_reuses_the_prefix_and_answers_as_without_reuse
     local = int(re.search(r"pages restored from local kvcr DRAM\s*│\s*(\d+)", out).group(1))
     assert saved > 0 and peer > 0 and local > 0, out
     assert re.search(r"other users' prompts \(GPU and host pools flushed\)\s*│\s*16", out), out
+    # the real model answers in words: the table quotes the start of conversation 0's answers
+    assert re.search(r"What does the assert statement do\?\s*│\s*[A-Z][a-z]+ [a-z]+", out), out
     print(f"saved {saved} prefill tokens, {local} pages from local kvcr DRAM, {peer} pages from a peer")
