@@ -57,11 +57,11 @@ from kvcr.demo.dynamo.sglang_workers import (
     wait_sglang_ready,
 )
 from kvcr.testing.engine import PAGE_SIZE, EngineError, EngineServer, wait_for
-from kvcr.testing.real_model import MODEL_NAME, SERVE_ARGS, RealModelError, encode, real_model, reference_text
+from kvcr.testing.real_model import MODEL_NAME, SERVE_ARGS, RealModelError, encode, real_model, reference_ids
 
 KVCR_PATHS = ("backup", "local_restore", "remote_restore", "served")
 DRAM = "1GiB"  # per worker: ~1,450 of the real model's 720 KiB pages, every conversation and other prompt
-ANSWERS_SHOWN = 3  # the table quotes the first words of this many answers (conversation 0's turns)
+ANSWERS_SHOWN = 3  # the answers table quotes the first words of this many of conversation 0's answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,9 +157,9 @@ class Dialogue:
 
     def __init__(self, model: Path, options: EngineDemoOptions) -> None:
         self.model, self.options = model, options
-        self._doc = encode(model, reference_text())
+        self._doc = reference_ids(model)
         head, tail = self.ids(f"<|im_start|>system\n{SYSTEM}"), self.ids("<|im_end|>\n")
-        self.system = head + self._doc[: max(16, options.system_tokens - len(head) - len(tail))] + tail
+        self.system = [*head, *self._doc[: max(16, options.system_tokens - len(head) - len(tail))], *tail]
 
     def ids(self, text: str) -> list[int]:
         return encode(self.model, text)
@@ -170,8 +170,7 @@ class Dialogue:
     def user(self, c: int, k: int) -> list[int]:
         o = self.options
         question = self.question(c, k)
-        start = 5000 + (c * o.turns + k) * o.user_tokens
-        quote = self._doc[start : start + o.user_tokens]
+        quote = self._excerpt(5000 + (c * o.turns + k) * o.user_tokens, o.user_tokens)
         return [
             *self.ids("<|im_start|>user\nMore of the documentation:\n"),
             *quote,
@@ -183,9 +182,14 @@ class Dialogue:
 
     def other(self, k: int, i: int) -> list[int]:
         """Another user's one-off prompt of ``other_tokens``: an excerpt nobody else asks about."""
-        start = 40_000 + (k * self.options.other_prompts + i) * self.options.other_tokens
-        body = self._doc[start : start + self.options.other_tokens - 12]
+        o = self.options
+        body = self._excerpt(40_000 + (k * o.other_prompts + i) * o.other_tokens, o.other_tokens - 12)
         return [*self.ids("<|im_start|>user\n"), *body, *self.ids("<|im_end|>\n<|im_start|>assistant\n")]
+
+    def _excerpt(self, start: int, tokens: int) -> list[int]:
+        """``tokens`` ids of the documentation from ``start``, wrapping round (any number of turns fits)."""
+        start %= max(1, len(self._doc) - tokens)
+        return list(self._doc[start : start + tokens])
 
 
 class Conversations:

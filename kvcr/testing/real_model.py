@@ -184,6 +184,11 @@ def document_prompt(model_dir: Path, tokens: int, *, seed: int = 0, question: st
     return head + list(text[start : start + room]) + tail
 
 
+def reference_ids(model_dir: Path) -> tuple[int, ...]:
+    """:func:`reference_text` under the model's tokenizer (about 110,000 ids; tokenized once per process)."""
+    return _reference_ids(str(model_dir))
+
+
 @cache
 def _reference_ids(model_dir: str) -> tuple[int, ...]:
     return tuple(encode(Path(model_dir), reference_text()))
