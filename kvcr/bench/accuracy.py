@@ -26,7 +26,7 @@ must fail on it (measured: a logprob difference of about 2.9 and different text 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -107,7 +107,6 @@ def run_accuracy(
     *,
     new_tokens: int = NEW_TOKENS,
     workdir: Path | None = None,
-    on_step: Callable[[str], None] | None = None,
 ) -> tuple[list[AccuracyResult], ControlResult]:
     """Every length's result, then the control at the shortest length, from one fleet."""
     model = real_model()
@@ -116,12 +115,8 @@ def run_accuracy(
         with RealFleet(model, root, max_prompt_tokens=max(lengths)) as fleet:
             results = []
             for i, length in enumerate(lengths):
-                if on_step:
-                    on_step(f"{length} tokens")
                 ids = document_prompt(model, length, seed=500 + i)
                 results.append(judge(length, fleet.paths(ids, new_tokens)))
-            if on_step:
-                on_step("control: one corrupted page")
             bound = max(r.bound for r in results)
             return results, control(fleet, model, min(lengths), bound, new_tokens)
 
@@ -163,11 +158,17 @@ def accuracy_table(results: Sequence[AccuracyResult], check: ControlResult) -> s
             "",
             "",
             f"{check.bound:.0e}",
-            ("no: caught" if check.caught else "yes: NOT CAUGHT") if not check.same_tokens else
-            ("yes, logprobs caught" if check.caught else "yes: NOT CAUGHT"),
+            _control_verdict(check),
         ]
-    )  # fmt: skip
+    )
     return markdown_table(header, rows)
+
+
+def _control_verdict(check: ControlResult) -> str:
+    """Whether the corrupted restore's greedy tokens stayed equal, and whether the check caught it."""
+    if not check.same_tokens:
+        return "no: caught"  # different tokens always fail the check
+    return "yes, logprobs caught" if check.caught else "yes: NOT CAUGHT"
 
 
 def _first_words(text: str, words: int = 8) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -58,27 +58,21 @@ class EngineResult:
     same_first_token: bool
 
 
-def run_engine(
-    lengths: Sequence[int], reps: int, *, workdir: Path | None = None, on_step: Callable[[str], None] | None = None
-) -> list[EngineResult]:
+def run_engine(lengths: Sequence[int], reps: int, *, workdir: Path | None = None) -> list[EngineResult]:
     """One result per prompt length (medians over ``reps`` fresh prompts), from one fleet."""
     model = real_model()
     with tempfile.TemporaryDirectory(prefix="kvcr-bench-engine-") as scratch:
         root = workdir or Path(scratch)
         with RealFleet(model, root, max_prompt_tokens=max(lengths)) as fleet:
-            return [_measure(fleet, model, length, reps, on_step) for length in lengths]
+            return [_measure(fleet, model, length, reps) for length in lengths]
 
 
-def _measure(
-    fleet: RealFleet, model: Path, length: int, reps: int, on_step: Callable[[str], None] | None
-) -> EngineResult:
+def _measure(fleet: RealFleet, model: Path, length: int, reps: int) -> EngineResult:
     seconds: dict[str, list[float]] = {path: [] for path in ("scratch", *RESTORED_PATHS)}
     restore: dict[str, list[float]] = {path: [] for path in RESTORED_PATHS}
     queue: dict[str, list[float]] = {path: [] for path in RESTORED_PATHS}
     stored, same = [], True
     for rep in range(reps):
-        if on_step:
-            on_step(f"{length} tokens, prompt {rep + 1}/{reps}")
         ids = document_prompt(model, length, seed=1000 + length + rep)
         before = {path: _counters(fleet, server, path) for path, server in RESTORED_PATHS.items()}
         replies = fleet.paths(ids, max_new_tokens=1)

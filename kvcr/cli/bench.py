@@ -150,27 +150,34 @@ def _lengths(text: str) -> list[int]:
         raise KvcrError(f"--lengths: give token counts separated by commas, got {text!r}") from None
 
 
-def _real_engine_errors() -> tuple[type[BaseException], ...]:
+def _run_real(args: argparse.Namespace, what: str, run: Callable[[list[int], Path | None], Any]) -> Any:
+    """``run(lengths, workdir)`` on the real-model fleet: ``--lengths`` checked before any server starts,
+    its failures (no model, a server that did not start or restore) one line."""
+    from kvcr.bench.engine import check_lengths
     from kvcr.testing.engine import EngineError
     from kvcr.testing.real_model import RealModelError
-
-    return EngineError, RealModelError
-
-
-def _bench_engine(args: argparse.Namespace) -> int:
-    from kvcr.bench.engine import as_dict, check_lengths, engine_table, run_engine
-    from kvcr.bench.plot import plot_engine
 
     lengths = _lengths(args.lengths)
     workdir = Path(args.workdir) if args.workdir else None
     try:
         check_lengths(lengths)
-        results = _Progress(1).step(
-            f"engine: four SGLang servers on SmolLM2-135M, prompts of {args.lengths} tokens x {args.reps}",
-            partial(run_engine, lengths, args.reps, workdir=workdir),
+        return _Progress(1).step(
+            f"{what}: four SGLang servers on SmolLM2-135M, prompts of {args.lengths} tokens",
+            partial(run, lengths, workdir),
         )
-    except _real_engine_errors() as exc:
+    except (EngineError, RealModelError) as exc:
         raise KvcrError(str(exc).splitlines()[0]) from None
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from kvcr.bench.engine import as_dict, engine_table, run_engine
+    from kvcr.bench.plot import plot_engine
+
+    results = _run_real(
+        args,
+        f"engine, {args.reps} per length",
+        lambda lengths, workdir: run_engine(lengths, args.reps, workdir=workdir),
+    )
     print(engine_table(results))
     _write(args, [as_dict(r) for r in results], lambda png: plot_engine(results, png))
     return 0 if all(r.same_first_token for r in results) else 1
@@ -178,18 +185,12 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
 def _bench_accuracy(args: argparse.Namespace) -> int:
     from kvcr.bench.accuracy import accuracy_table, as_dict, run_accuracy
-    from kvcr.bench.engine import check_lengths
 
-    lengths = _lengths(args.lengths)
-    workdir = Path(args.workdir) if args.workdir else None
-    try:
-        check_lengths(lengths)
-        results, check = _Progress(1).step(
-            f"accuracy: four SGLang servers on SmolLM2-135M, prompts of {args.lengths} tokens, then the control",
-            partial(run_accuracy, lengths, new_tokens=args.new_tokens, workdir=workdir),
-        )
-    except _real_engine_errors() as exc:
-        raise KvcrError(str(exc).splitlines()[0]) from None
+    results, check = _run_real(
+        args,
+        "accuracy, then the control",
+        lambda lengths, workdir: run_accuracy(lengths, new_tokens=args.new_tokens, workdir=workdir),
+    )
     print(accuracy_table(results, check))
     if args.json:
         print(f"wrote {_save_json(Path(args.json), as_dict(results, check))}", file=sys.stderr)

@@ -22,7 +22,7 @@ kvcr's read, so a check can show that it catches a wrong page.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,20 +128,14 @@ class RealFleet:
     def __exit__(self, *exc: object) -> None:
         stop_all(list(self.servers.values()))
 
-    def paths(
-        self, ids: Sequence[int], max_new_tokens: int, *, on_path: Callable[[str], None] | None = None
-    ) -> dict[str, Reply]:
+    def paths(self, ids: Sequence[int], max_new_tokens: int) -> dict[str, Reply]:
         """Every path of :data:`PATHS` for ``ids`` (a prompt no server has seen), in that order."""
         a, b, a2, c = (self.servers[n] for n in ("a", "b", "a2", "c"))
         pages = (len(ids) - 1) // PAGE_SIZE
         replies: dict[str, Reply] = {}
 
         def ask(path: str, server: EngineServer, hint: Any = None) -> None:
-            if on_path:
-                on_path(path)
-            started = time.perf_counter()
-            answer = server.generate(ids, max_new_tokens=max_new_tokens, kv_hints=hint, timeout_s=900.0)
-            replies[path] = Reply.of(answer, time.perf_counter() - started)
+            replies[path] = _timed(server, ids, max_new_tokens, hint)
 
         backed_a, backed_a2 = a.kvcr_pages("backup"), a2.kvcr_pages("backup")
         ask("scratch", a)
@@ -169,17 +163,12 @@ class RealFleet:
         """``ids`` from scratch on A, then restored from A's kvcr DRAM with ``pages`` pages overwritten."""
         a = self.servers["a"]
         backed = a.kvcr_pages("backup")
-        started = time.perf_counter()
-        scratch = Reply.of(
-            a.generate(ids, max_new_tokens=max_new_tokens, timeout_s=900.0), time.perf_counter() - started
-        )
+        scratch = _timed(a, ids, max_new_tokens)
         _backed_up(a, backed + (len(ids) - 1) // PAGE_SIZE)
         a.flush_cache()
         self.corrupt_flag.write_text(str(pages))
         try:
-            started = time.perf_counter()
-            answer = a.generate(ids, max_new_tokens=max_new_tokens, timeout_s=900.0)
-            corrupted = Reply.of(answer, time.perf_counter() - started)
+            corrupted = _timed(a, ids, max_new_tokens)
         finally:
             self.corrupt_flag.unlink(missing_ok=True)
         a.flush_cache()  # the corrupted pages leave A's device cache (its host pool keeps them: fresh prompts only)
@@ -187,9 +176,12 @@ class RealFleet:
             raise EngineError("the corruption control's restore did not happen (no cached tokens)")
         return scratch, corrupted
 
-    def restore_seconds(self, server: str, path: str) -> float:
-        """``kvcr_restore_seconds_sum{path}`` on ``server``: kvcr's time in restore batches so far."""
-        return self.servers[server].metric("kvcr_restore_seconds_sum", path=path)
+
+def _timed(server: EngineServer, ids: Sequence[int], max_new_tokens: int, hint: Any = None) -> Reply:
+    """One greedy ``/generate`` of ``ids`` on ``server`` (with ``hint`` if given), timed by the client."""
+    started = time.perf_counter()
+    answer = server.generate(ids, max_new_tokens=max_new_tokens, kv_hints=hint, timeout_s=900.0)
+    return Reply.of(answer, time.perf_counter() - started)
 
 
 def _backed_up(server: EngineServer, pages: int) -> None:
