@@ -96,6 +96,17 @@ class DataPlane(Protocol):
     def describe(self) -> bytes:
         """What a peer needs to read our exposed regions (and nothing about private ones)."""
 
+    def peer_name(self, description: bytes) -> str:
+        """The name a peer's description claims on the fabric, read without connecting.
+
+        ``connect`` replaces a peer already connected under the same name, and reads name their
+        peer by it: a caller binds each name to the peer it authenticated first, and checks a
+        new description's name here before it connects (see ``SourceLinks``).
+
+        Raises:
+            PeerUnavailable: the description is unreadable.
+        """
+
     def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
         """Load a peer's description and make sure it is reachable. Idempotent for one description.
 

@@ -96,6 +96,7 @@ class FailureReason(str, enum.Enum):
     COPY_ERROR = "copy_error"  # a local copy failed
     NO_SPACE = "no_space"  # no DRAM slot could be freed for a backup
     UNBOUND_REPLY = "unbound_reply"  # a reply that does not answer our request (replayed, substituted)
+    NAME_IN_USE = "name_in_use"  # a source's data-plane name is held by another source's link
     MALFORMED_REPLY = "malformed_reply"  # a reply of the wrong shape
     SLOWER_THAN_RECOMPUTE = "slower_than_recompute"  # the estimated transfer exceeds recomputing the prefix
     NO_STAGING = "no_staging"  # every staging buffer is busy or quarantined

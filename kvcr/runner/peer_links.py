@@ -10,6 +10,12 @@ a sick source costs misses, never waits.
 Every control round trip goes through ``call``, which binds a reply to the request's nonce and
 turns every failure into None.
 
+Names: a source chooses the name its data-plane description claims, and a data plane keys its
+peers (and replaces one) by that name. So each name belongs to the endpoint whose authenticated
+HELLO brought it first, until that link is dropped: a source at another endpoint claiming it is
+refused before its description is connected (``name_in_use``), so a link never reads from a
+peer that another endpoint's source put in its place.
+
 Side links: when the data plane also carries control frames to a peer (``SideChannel``: the
 same-host plane's UNIX socket), the link says HELLO a second time over it, and the session that
 opens (bound to the side link) carries LEASE and RELEASE there: a UNIX-socket round trip instead of
@@ -194,6 +200,7 @@ class SourceLinks:
         self._down_until: dict[str, float] = {}
         self._connecting: dict[str, threading.Event] = {}  # one HELLO and connect per endpoint at a time
         self._kept: set[str] = set()  # endpoints connected ahead of need: never closed for idling
+        self._names: dict[str, str] = {}  # data-plane peer name -> the endpoint whose link holds it
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -252,10 +259,24 @@ class SourceLinks:
             self.mark_down(endpoint, "no pool namespace in common")
             return None
         try:
+            name = self._data_plane.peer_name(reply.data_plane)
+        except TransportError as exc:
+            self.mark_down(endpoint, f"unusable data-plane description: {exc}")
+            return None
+        if not self._claim(name, endpoint):
+            count_failure(self._metrics, FailureReason.NAME_IN_USE)
+            self.mark_down(endpoint, f"its data-plane name {name[:80]!r} is held by another source's link")
+            return None
+        try:
             timeout = min(self._timing.connect_s, max(0.0, deadline - self._clock.now()))
             peer = self._data_plane.connect(reply.data_plane, timeout)
         except TransportError as exc:
+            self._unclaim(name, endpoint)
             self.mark_down(endpoint, f"cannot connect its data plane: {exc}")
+            return None
+        if peer.name != name:  # the plane keys the peer by what it connected: never a name we did not bind
+            self._unclaim(name, endpoint)
+            self.mark_down(endpoint, "its data plane connected under another name than it described")
             return None
         landing = self._landing
         staged = landing == "staged" or (landing == "auto" and peer.late_writes)
@@ -270,6 +291,17 @@ class SourceLinks:
         for old, old_link in evicted:
             self._drop(old, old_link)  # both halves: the control connection and the data-plane peer
         return link
+
+    def _claim(self, name: str, endpoint: str) -> bool:
+        """Bind ``name`` to ``endpoint``; False if another endpoint's link holds it."""
+        with self._lock:
+            holder = self._names.setdefault(name, endpoint)
+        return holder == endpoint
+
+    def _unclaim(self, name: str, endpoint: str) -> None:
+        with self._lock:
+            if self._names.get(name) == endpoint:
+                del self._names[name]
 
     def _open_side(self, link: Link, deadline: float) -> None:
         """HELLO over the data plane's side link, if it has one to this peer; the link keeps the session."""
@@ -377,6 +409,7 @@ class SourceLinks:
             if failed.peer.name != newer.peer.name:
                 with contextlib.suppress(TransportError):
                     self._data_plane.disconnect(failed.peer.name)
+                self._unclaim(failed.peer.name, endpoint)
             return
         retry_after_s = self._timing.retry_after_s
         log.info("kvcr: peer %s skipped for %.1fs: %s", endpoint, retry_after_s, why)
@@ -429,6 +462,7 @@ class SourceLinks:
         if link is not None:
             with contextlib.suppress(TransportError):
                 self._data_plane.disconnect(link.peer.name)
+            self._unclaim(link.peer.name, endpoint)
         self._control.forget(endpoint)
 
 

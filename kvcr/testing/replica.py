@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transport", default="nixl", help="the data plane: nixl or ucx")
     parser.add_argument("--verify-bytes", action="store_true", help="digest pages at backup (targets may check)")
     parser.add_argument("--page-digest", default="xxh3", help="with --verify-bytes: xxh3 or blake3")
+    parser.add_argument(
+        "--impostor", action="store_true", help="hold other bytes than page_pattern under the same keys (attack tests)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     token = Path(args.token_file).read_bytes().strip() if args.token_file else None
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     node.register_host_pool("kv", host.regions)
     keys = bench_keys(args.pages)
     for slot, key in enumerate(keys):
-        host.write(slot, page_pattern(key, pool.page_bytes))
+        host.write(slot, page_pattern(key + "impostor" if args.impostor else key, pool.page_bytes))
     stored = node.runner.backup("kv", keys, list(range(args.pages)))
     info = {"endpoint": node.endpoint, "namespace": node.runner.namespace, "stored": sum(stored), "keys": keys}
     print("READY " + json.dumps(info), flush=True)

@@ -109,6 +109,7 @@ def test_connect_is_idempotent_and_names_the_peer(pair):
     description = source.describe()
     assert target.connect(description, 5.0) == peer
     assert target.connect(description, 5.0).name == "source"
+    assert target.peer_name(description) == "source"  # what a caller binds before it connects
 
 
 def test_bad_runs_are_refused_before_anything_moves(data_planes):
@@ -158,6 +159,8 @@ def test_unreadable_description_is_refused(pair):
     for junk in (b"", b"\x00not a description", os.urandom(64)):
         with pytest.raises(PeerUnavailable):
             target.connect(junk, 1.0)
+        with pytest.raises(PeerUnavailable):
+            target.peer_name(junk)
 
 
 # ---------------------------------------------------------------------- registration

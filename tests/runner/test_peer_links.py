@@ -33,13 +33,14 @@ class ScriptedControl:
         self.pieces = (256, 256)
         self.wrong_nonce = False
         self.refuse: int | None = None
+        self.plane: dict[str, str] = {}  # endpoint -> the data-plane name its source claims (default: its own)
 
     def answer(self, endpoint: str, request: object) -> bytes:
         nonce = b"\0" * 16 if self.wrong_nonce else request.nonce  # type: ignore[attr-defined]
         if self.refuse is not None:
             return protocol.encode(Refused(nonce, self.refuse))
         incarnation = self.incarnation.get(endpoint, f"{endpoint}-1")
-        plane = f"{endpoint}@{incarnation}".encode()
+        plane = self.plane.get(endpoint, f"{endpoint}@{incarnation}").encode()
         return protocol.encode(HelloReply(nonce, 7, incarnation, plane, [wire(self.pieces)], 10_000))
 
     def request(self, endpoint: str, payload: bytes, timeout_s: float) -> bytes:
@@ -58,6 +59,9 @@ class RecordingPlane:
 
     def __init__(self) -> None:
         self.disconnected: list[str] = []
+
+    def peer_name(self, description: bytes) -> str:
+        return description.decode()
 
     def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
         return PeerInfo(description.decode(), late_writes=False)
@@ -155,3 +159,28 @@ def test_a_failed_read_of_a_previous_incarnation_leaves_its_successor_alone():
     assert source.get("a", FAR) is new  # the new one is neither skipped nor dropped
     source.mark_down("a", "read failed", failed=new)
     assert source.get("a", FAR) is None and plane.disconnected[-1] == "a@a-2"
+
+
+def test_a_source_claiming_a_data_plane_name_another_links_source_holds_is_refused_and_counted():
+    """Issue 43: the name in a description is the source's choice; it stays bound to the first endpoint."""
+    source, control, plane, clock, metrics = links()
+    assert source.get("a", FAR) is not None
+    control.plane["x"] = "a@a-1"  # x describes its plane under a's name
+    assert source.get("x", FAR) is None
+    assert metrics.snapshot()["kvcr_failures_total{path=remote_restore,reason=name_in_use}"] == 1
+    assert plane.disconnected == []  # a's peer stays connected: nothing of x replaced it
+    assert source.get("a", FAR) is not None and control.requests == ["a", "x"]  # a's link is the cached one
+    source.forget("a")  # once a's link is gone the name is free again
+    clock.advance(Timing().retry_after_s)
+    assert source.get("x", FAR) is not None
+    assert source.get("a", FAR) is None  # and now a is the one refused
+
+
+def test_a_source_at_the_same_endpoint_may_describe_the_same_name_again():
+    source, control, plane, _, _ = links()
+    assert source.get("a", FAR) is not None
+    control.incarnation["a"] = "a-2"
+    control.plane["a"] = "a@a-1"  # restarted, same plane name (a fixed name in a test, say)
+    source.forget("a")
+    assert source.get("a", FAR) is not None
+    assert plane.disconnected == ["a@a-1"]

@@ -61,6 +61,9 @@ class Plane:
         self.disconnected: list[str] = []
         self.disconnect_fails = False
 
+    def peer_name(self, description: bytes) -> str:
+        return description.decode()
+
     def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
         return PeerInfo(description.decode(), late_writes=False)
 

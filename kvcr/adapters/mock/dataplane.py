@@ -111,14 +111,13 @@ class MockDataPlane(Interceptable):
             {"fabric": "mock", "name": self._name, "incarnation": incarnation, "exposed": exposed}
         ).encode()
 
+    def peer_name(self, description: bytes) -> str:
+        return _decoded(description)[0]
+
     def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
         del timeout_s  # the fake answers at once or not at all
         self._check_open()
-        try:
-            info = json.loads(description)
-            peer, incarnation = str(info["name"]), int(info["incarnation"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise PeerUnavailable(f"unreadable peer description: {exc}") from exc
+        peer, incarnation = _decoded(description)
         node = self._fabric.find(peer)
         if node is None or not node.data_up or node.faults.peer_down or node.incarnation != incarnation:
             raise PeerUnavailable(f"peer {peer!r} is not on the fabric (or not at that incarnation)")
@@ -260,3 +259,16 @@ if TYPE_CHECKING:
     from kvcr.ports.dataplane import DataPlane
 
     _: DataPlane = MockDataPlane(MockFabric(), "a", FakeClock())
+
+
+def _decoded(description: bytes) -> tuple[str, int]:
+    """A mock description's name and incarnation.
+
+    Raises:
+        PeerUnavailable: unreadable.
+    """
+    try:
+        info = json.loads(description)
+        return str(info["name"]), int(info["incarnation"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PeerUnavailable(f"unreadable peer description: {exc}") from exc

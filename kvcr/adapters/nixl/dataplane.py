@@ -219,6 +219,9 @@ class NixlDataPlane:
                 )
             return self._description
 
+    def peer_name(self, description: bytes) -> str:
+        return wire.decode(description)[0].name
+
     def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
         desc, extents, rows = wire.decode(description)
         deadline = time.monotonic() + max(0.0, timeout_s)

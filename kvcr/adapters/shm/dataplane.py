@@ -236,6 +236,9 @@ class ShmDataPlane:
 
     # ------------------------------------------------------------------ target side
 
+    def peer_name(self, description: bytes) -> str:
+        return wire.decode_description(description).name
+
     def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
         desc = wire.decode_description(description)
         with self._lock:

@@ -171,13 +171,29 @@ class SameHostFirst:
             ids = [(mine, s, f) for mine, (s, f, exposed) in self._regions.items() if exposed]
         return msgspec.msgpack.encode(_Wire(VERSION, shm, fallback, ids))
 
-    def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
+    def peer_name(self, description: bytes) -> str:
+        return self._decode(description)[1]
+
+    def _decode(self, description: bytes) -> tuple[_Wire, str]:
+        """The description and the one name both its planes' parts claim.
+
+        Raises:
+            PeerUnavailable: unreadable, another version, or two parts naming two peers (a peer
+                must not be read over one plane under a name it holds on the other).
+        """
         try:
             desc = msgspec.msgpack.decode(description, type=_Wire)
         except (msgspec.MsgspecError, TypeError) as exc:
             raise PeerUnavailable(f"unreadable peer description (is the peer's transport auto?): {exc}") from exc
         if desc.version != VERSION:
             raise PeerUnavailable(f"auto peer description version {desc.version}, expected {VERSION}")
+        name = self._fallback.peer_name(desc.fallback)
+        if self._shm.peer_name(desc.shm) != name:
+            raise PeerUnavailable(f"auto peer {name!r}: its shared-memory part names another peer")
+        return desc, name
+
+    def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
+        desc, _ = self._decode(description)
         try:
             info = self._shm.connect(desc.shm, timeout_s)
             plane, column = self._shm, 1

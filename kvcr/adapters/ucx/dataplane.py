@@ -219,6 +219,12 @@ class UcxDataPlane:
             self._check_open()
             return self._regions.description(self._encode_description)
 
+    def peer_name(self, description: bytes) -> str:
+        try:
+            return wire.decode_description(description).name
+        except ValueError as exc:
+            raise PeerUnavailable(str(exc)) from exc
+
     def connect(self, description: bytes, timeout_s: float | None = None) -> PeerInfo:
         try:
             desc = wire.decode_description(description)

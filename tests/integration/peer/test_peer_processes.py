@@ -47,9 +47,10 @@ class Source:
         port: int | None = None,
         transport: str = "nixl",
         extra: tuple[str, ...] = (),
+        name: str | None = None,
     ):
         self.port = port or free_port()
-        self.name = f"source-{self.port}-{time.monotonic_ns()}"
+        self.name = name or f"source-{self.port}-{time.monotonic_ns()}"
         cmd = [
             sys.executable,
             "-m",
@@ -370,3 +371,32 @@ def test_a_token_holder_that_rewrites_a_leased_page_over_nixl_is_served_under_xx
         assert result["kv"][2].reason == "bytes differ from the source's digest"
     for slot in (0, 1, 3):
         assert host.read(slot) == page_pattern(source.keys[slot], page_bytes)
+
+
+@pytest.mark.parametrize(
+    ("transport", "digest"), [("shm", "xxh3"), ("shm", "blake3"), ("auto", "blake3"), ("nixl", "xxh3")]
+)
+def test_a_source_that_takes_another_sources_data_plane_name_is_refused_and_reads_stay_with_the_first(
+    sources, target, transport, digest
+):
+    """Issue 43's name takeover: X describes its plane under Y's name and holds other bytes under Y's keys.
+
+    Before, a target that had dialled X read X's arena (and X's board, digests included) over its
+    cached link to Y: 8 of 8 pages "restored" wrong, whatever the digest. Now X is refused by name
+    and Y's pages keep coming from Y."""
+    checks = ("--verify-bytes", "--page-digest", digest)
+    honest = sources(8, transport=transport, extra=checks, name="shared-plane-name")
+    impostor = sources(8, transport=transport, extra=(*checks, "--impostor"), name="shared-plane-name")
+    node, host = target(transport=transport, pages=8, verify_bytes=True, page_digest=digest)
+    reads = [PoolRead("kv", honest.keys, list(range(8)))]
+    assert impostor.keys == honest.keys
+
+    assert outcomes(node.client.restore(honest.endpoint, reads)) == [Outcome.RESTORED] * 8
+    host.zero()
+    taken = node.client.restore(impostor.endpoint, reads)
+    assert Outcome.RESTORED not in outcomes(taken)  # refused by name (counted: tests/runner/test_peer_links.py)
+    again = node.client.restore(honest.endpoint, reads)
+
+    assert outcomes(again) == [Outcome.RESTORED] * 8
+    for slot, key in enumerate(honest.keys):
+        assert host.read(slot) == page_pattern(key, PAGE), f"page {slot} is not the honest source's"

@@ -213,6 +213,33 @@ def test_auto_reads_a_peer_elsewhere_over_nixl(memory, planes):
     assert ctypes.string_at(dst_region.base, 3 * PIECE) == data[2 * PIECE : 5 * PIECE]
 
 
+@pytest.mark.nixl
+def test_an_auto_description_whose_two_parts_name_two_peers_is_refused(memory, planes):
+    """Else a peer could be bound under one name and read over the other plane under another (issue 43)."""
+    import msgspec
+
+    from kvcr.adapters.nixl import NixlDataPlane
+    from kvcr.adapters.shm.routed import _Wire
+
+    def auto(name):
+        return planes(
+            SameHostFirst(ShmDataPlane(name, memory), NixlDataPlane(name, backend_params={"ucx_devices": "lo"}))
+        )
+
+    honest, other, target = auto("honest"), auto("other"), auto("target")
+    for plane in (honest, other):
+        plane.register([_region(memory, "src")], exposed=True)
+    good = msgspec.msgpack.decode(honest.describe(), type=_Wire)
+    stitched = msgspec.msgpack.encode(
+        _Wire(good.version, msgspec.msgpack.decode(other.describe(), type=_Wire).shm, good.fallback, good.ids)
+    )
+    assert target.peer_name(honest.describe()) == "honest"
+    for ask in (target.peer_name, lambda d: target.connect(d, 5.0)):
+        with pytest.raises(PeerUnavailable, match="names another peer"):
+            ask(stitched)
+    assert target.plane_of("honest") is None and target.plane_of("other") is None
+
+
 class _Unsealed:
     """A memory whose one allocation is an ordinary memfd (what a hostile or broken source could send)."""
 
