@@ -261,7 +261,7 @@ class SourceLinks:
         try:
             name = self._data_plane.peer_name(reply.data_plane)
         except TransportError as exc:
-            self.mark_down(endpoint, f"unusable data-plane description: {exc}")
+            self.mark_down(endpoint, f"cannot connect its data plane: {exc}")
             return None
         if not self._claim(name, endpoint):
             count_failure(self._metrics, FailureReason.NAME_IN_USE)

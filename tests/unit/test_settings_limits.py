@@ -222,6 +222,19 @@ def test_token_file_refusals_say_what_to_do(tmp_path):
     assert str(err.value) == f"auth_token_file {str(tmp_path)!r} is not a regular file"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root (CI runs as root)")
+@pytest.mark.parametrize("setting", ["auth_token_file", "node_key_file"])
+def test_a_token_or_key_file_another_uid_owns_is_refused(tmp_path, setting):
+    """Issue 43: whoever owns the file can change it (and chmod it back): it must be ours (or root's)."""
+    theirs = token_file(tmp_path, b"0123456789abcdef-0123456789", 0o600)
+    os.chown(theirs, 65534, -1)
+    with pytest.raises(ConfigError) as err:
+        read_token_file(theirs, setting)
+    assert str(err.value) == (
+        f"{setting} {theirs!r} belongs to uid 65534, who could change it; chown it to uid {os.geteuid()} (or root)"
+    )
+
+
 def test_token_files_of_exactly_the_limits_are_read(tmp_path):
     largest = (bytes(range(33, 127)) * 44)[:4096]  # printable, no NUL, nothing to strip
     assert read_token_file(token_file(tmp_path, largest)) == largest

@@ -1,13 +1,23 @@
 """The source side of memory sharing: an abstract UNIX socket that hands exposed regions' memfds out.
 
-A peer that connects must send, within ``handshake_s``, the secret from our description (which
-only authenticated peers receive) and run as our uid (``SO_PEERCRED``); it then gets the grant
-and the descriptors with it (SCM_RIGHTS), and keeps the connection open: our end closing (at
-``close``, or because this process died) is how the peer learns that we are gone. Anything else
-is closed without a byte back. Once granted, the connection is also a *side link*: each frame the
+A peer that connects must run as our uid (``SO_PEERCRED``, checked as it is accepted: another
+uid's connection is closed at once and never held) and send, within ``handshake_s``, the secret
+from our description (which only authenticated peers receive); it then gets the grant and the
+descriptors with it (SCM_RIGHTS), and keeps the connection open: our end closing (at ``close``,
+or because this process died) is how the peer learns that we are gone. Anything else is closed
+without a byte back.
+
+Capacity: connections still handshaking (unauthenticated) and granted ones are capped apart,
+so connections without the secret never take a granted link's place: past ``max_pending`` the
+oldest handshake is dropped (a target sends its request as it connects, and the request is read
+as the connection is accepted, so it is rarely pending at all), and past ``max_connections``
+granted links a new grant is refused. A reply that would block (a peer that does not read its
+replies) drops that link at once: no peer can stall the broker's one thread.
+
+Once granted, the connection is also a *side link*: each frame the
 peer sends is answered by ``serve``'s handler, with this connection's own id (random, never
-reused) as the connection the frame came over. One thread serves every connection from a selector, blocked when
-nothing happens (no idle cost), and at most ``max_connections`` are held at once.
+reused) as the connection the frame came over. One thread serves every connection from a
+selector, blocked when nothing happens (no idle cost).
 """
 
 from __future__ import annotations
@@ -39,14 +49,21 @@ class Broker:
     """Serves grants on an abstract socket named ``address`` until ``close``. Thread-safe."""
 
     def __init__(
-        self, secret: bytes, grant: GrantSource, *, max_connections: int = 256, handshake_s: float = 1.0
+        self,
+        secret: bytes,
+        grant: GrantSource,
+        *,
+        max_connections: int = 256,
+        max_pending: int = 32,
+        handshake_s: float = 1.0,
     ) -> None:
         self._secret = secret
         self._grant = grant
         self._max = max_connections
+        self._max_pending = max_pending
         self._handshake_s = handshake_s
         self.address = f"\0kvcr-shm-{os.getpid()}-{os.urandom(8).hex()}"
-        self.refused = 0  # connections closed without a grant (bad secret, uid, timeout, over the cap)
+        self.refused = 0  # connections closed without a grant (bad secret, uid, timeout, over a cap)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._listener.bind(self.address)
         self._listener.listen(64)
@@ -71,6 +88,11 @@ class Broker:
     def connections(self) -> int:
         """Connections held now (granted and pending)."""
         return len(self._pending) + len(self._granted)
+
+    @property
+    def granted(self) -> int:
+        """Granted connections (side links) held now."""
+        return len(self._granted)
 
     def close(self) -> None:
         """Stop serving and close every connection (each peer sees us gone). Idempotent."""
@@ -118,13 +140,19 @@ class Broker:
             except OSError as exc:
                 log.warning("kvcr: shm broker accept failed: %s", exc)
                 return
-            if self.connections >= self._max:
+            if _peer_uid(conn) != os.getuid():  # can never be granted: not even held
                 self.refused += 1
                 conn.close()
                 continue
             conn.setblocking(False)
+            while len(self._pending) >= self._max_pending:  # make room: the oldest handshake goes
+                oldest = min(self._pending, key=self._pending.__getitem__)
+                self._readable(oldest)  # unless its request came since it was accepted
+                if oldest in self._pending:
+                    self._drop(oldest, refused=True)
             self._pending[conn] = time.monotonic() + self._handshake_s
             self._selector.register(conn, selectors.EVENT_READ)
+            self._readable(conn)  # a target sends its request as it connects: usually here already
 
     def _readable(self, conn: socket.socket) -> None:
         if conn in self._granted:
@@ -136,7 +164,7 @@ class Broker:
             return
         except OSError:
             data = b""
-        if not self._authorised(conn, data):
+        if not self._authorised(data) or len(self._granted) >= self._max:
             self._drop(conn, refused=True)
             return
         try:
@@ -167,23 +195,13 @@ class Broker:
             return
         try:
             conn.send(reply, socket.MSG_DONTWAIT)  # one record: sent whole or not at all
-        except BlockingIOError:
-            try:
-                conn.settimeout(1.0)  # a full buffer: a peer that never reads loses its link
-                conn.sendall(reply)
-                conn.setblocking(False)
-            except OSError:
-                self._drop(conn, refused=False)
-        except OSError:
+        except OSError:  # closed, or a full buffer: a peer that does not read its replies loses its link
             self._drop(conn, refused=False)
 
-    def _authorised(self, conn: socket.socket, data: bytes) -> bool:
+    def _authorised(self, data: bytes) -> bool:
         if len(data) != _REQUEST_BYTES or not data.startswith(REQUEST_MAGIC):
             return False
-        if not hmac.compare_digest(data[len(REQUEST_MAGIC) :], self._secret):
-            return False
-        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        return bool(uid == os.getuid())
+        return hmac.compare_digest(data[len(REQUEST_MAGIC) :], self._secret)
 
     def _drop(self, conn: socket.socket, *, refused: bool) -> None:
         if refused:
@@ -193,3 +211,12 @@ class Broker:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn)
         conn.close()
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end (-1 if the kernel cannot say)."""
+    try:
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except OSError:
+        return -1
+    return int(uid)

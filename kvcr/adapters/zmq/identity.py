@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from kvcr.domain.hints import Endpoint
 
 log = logging.getLogger(__name__)
 
+MAX_DIRECTORY_BYTES = 1 << 20
 RELOAD_S = 0.05  # how stale a revocation may be: the directory's status is looked at this often
 Z85_KEY_CHARS = 40  # a 32-byte Curve25519 key in Z85
 _ERROR_EVERY_S = 10.0
@@ -141,14 +143,27 @@ class PeerDirectory:
         return NOBODY
 
     def _read(self) -> tuple[tuple[int, ...], Directory]:
+        """Read the file through one descriptor opened without blocking, after checking what it is."""
+        where = f"peer_directory_file {self.path!r}"
         try:
-            with open(self.path, encoding="utf-8") as f:
-                stamp = _stamp(os.fstat(f.fileno()))
-                text = f.read(1 << 20)
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (OSError, ValueError) as exc:
             why = getattr(exc, "strerror", None) or str(exc)
-            raise ConfigError(f"peer_directory_file {self.path!r}: cannot read it: {why}") from exc
-        return stamp, Directory.parse(text, self.path)
+            raise ConfigError(f"{where}: cannot read it: {why}") from exc
+        try:
+            info = os.fstat(fd)
+            problem = _unsafe(info)
+            if problem:
+                raise ConfigError(f"{where} {problem}")
+            text = os.read(fd, MAX_DIRECTORY_BYTES + 1).decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            why = getattr(exc, "strerror", None) or str(exc)
+            raise ConfigError(f"{where}: cannot read it: {why}") from exc
+        finally:
+            os.close(fd)
+        if len(text) > MAX_DIRECTORY_BYTES:
+            raise ConfigError(f"{where} is larger than {MAX_DIRECTORY_BYTES} bytes")
+        return _stamp(info), Directory.parse(text, self.path)
 
 
 class NodeIdentity:
@@ -254,6 +269,18 @@ def _z85_key(text: str, where: str) -> bytes:
         return bytes(z85.decode(text.encode("ascii")))
     except (ValueError, KeyError, UnicodeEncodeError) as exc:
         raise ConfigError(f"{where}: {text[:8]}... is not Z85") from exc
+
+
+def _unsafe(info: os.stat_result) -> str | None:
+    """Why a file that says who may connect cannot be trusted: another kind of file, another owner
+    (it could rewrite it), or writable by group or others (anyone could list their own key)."""
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file"
+    if info.st_uid not in (os.geteuid(), 0):
+        return f"belongs to uid {info.st_uid}, who could list any key; chown it to uid {os.geteuid()} (or root)"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):o}), who could list any key; chmod 644 it"
+    return None
 
 
 def _stamp(st: os.stat_result) -> tuple[int, ...]:

@@ -154,6 +154,11 @@ def _checked_read(fd: int, path: str, setting: str) -> bytes:
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         raise ConfigError(f"{setting} {path!r} is not a regular file")
+    if info.st_uid not in (os.geteuid(), 0):
+        raise ConfigError(
+            f"{setting} {path!r} belongs to uid {info.st_uid}, who could change it; "
+            f"chown it to uid {os.geteuid()} (or root)"
+        )
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(
             f"{setting} {path!r} is readable or writable by group or others (mode "

@@ -134,7 +134,7 @@ def test_the_broker_gives_nothing_for_a_wrong_secret_and_a_descriptor_for_the_ri
 
 
 def test_silent_connections_are_dropped_after_the_handshake_window_and_capped():
-    broker = Broker(os.urandom(SECRET_BYTES), lambda: (b"", []), max_connections=8, handshake_s=0.3)
+    broker = Broker(os.urandom(SECRET_BYTES), lambda: (b"", []), max_pending=8, handshake_s=0.3)
     socks = []
     try:
         for _ in range(20):
@@ -153,6 +153,111 @@ def test_silent_connections_are_dropped_after_the_handshake_window_and_capped():
         for sock in socks:
             sock.close()
         broker.close()
+
+
+def _granted_link(broker, secret):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(5.0)
+    sock.connect(broker.address)
+    sock.sendall(REQUEST_MAGIC + secret)
+    blob, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
+    for fd in fds:
+        os.close(fd)
+    assert blob == b"grant"
+    return sock
+
+
+def _broker(**limits):
+    secret = os.urandom(SECRET_BYTES)
+    memfd = os.memfd_create("grant")
+    broker = Broker(secret, lambda: (b"grant", [memfd]), **limits)
+    return broker, secret, memfd
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="playing another uid needs root (CI runs as root)")
+def test_another_uids_connections_are_closed_as_they_are_accepted_and_never_held():
+    """Issue 43: any local uid held the 256-connection cap without the secret (8,081 connects in 12 s)."""
+    broker, secret, memfd = _broker(max_connections=8, handshake_s=30.0)  # a held one would stay
+    flooder = subprocess.Popen(
+        [sys.executable, "-c", _FLOOD, broker.address[1:], "200", "65534"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert flooder.stdout.readline().strip() == "held"  # 200 connects made and kept open
+        deadline = time.monotonic() + 2.0
+        while broker.refused < 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert broker.connections == 0 and broker.refused == 200
+        _granted_link(broker, secret).close()
+    finally:
+        flooder.kill()
+        flooder.communicate()
+        broker.close()
+        os.close(memfd)
+
+
+def test_connections_without_the_secret_never_keep_a_target_from_its_grant():
+    """Silent connections of our own uid fill only the handshake slots; a target with the secret is granted."""
+    broker, secret, memfd = _broker(max_connections=4, max_pending=8, handshake_s=5.0)
+    flooder = subprocess.Popen(
+        [sys.executable, "-c", _FLOOD, broker.address[1:], "300"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert flooder.stdout.readline().strip() == "held"
+        links = [_granted_link(broker, secret) for _ in range(4)]  # every granted slot, while 300 sit silent
+        deadline = time.monotonic() + 2.0
+        while broker.granted < 4 and time.monotonic() < deadline:  # the grant reaches us before it is counted
+            time.sleep(0.01)
+        assert broker.granted == 4 and broker.connections <= 4 + 8
+        assert _ask(broker.address, REQUEST_MAGIC + secret) == (b"", 0)  # past max_connections: refused
+        for link in links:
+            link.close()
+    finally:
+        flooder.kill()
+        flooder.communicate()
+        broker.close()
+        os.close(memfd)
+
+
+def test_a_peer_that_does_not_read_its_replies_loses_its_link_and_stalls_nobody():
+    """40 links that never read replies stalled the broker thread about 30 s."""
+    broker, secret, memfd = _broker()
+    broker.serve(lambda frame, connection: bytes(SIDE_FRAME_BYTES))  # every reply as large as a frame may be
+    deaf = [_granted_link(broker, secret) for _ in range(40)]
+    honest = _granted_link(broker, secret)
+    try:
+        for sock in deaf:  # fill each one's receive queue; none of them ever reads
+            sock.setblocking(False)
+            for _ in range(64):
+                with contextlib.suppress(OSError):
+                    sock.send(b"lease?")
+        started = time.monotonic()
+        honest.sendall(b"lease?")
+        assert len(honest.recv(SIDE_FRAME_BYTES + 1)) == SIDE_FRAME_BYTES
+        assert time.monotonic() - started < 1.0
+        deadline = time.monotonic() + 5.0
+        while broker.granted > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert broker.granted == 1  # every deaf link dropped; the honest one kept
+    finally:
+        for sock in [*deaf, honest]:
+            sock.close()
+        broker.close()
+        os.close(memfd)
+
+
+_FLOOD = """
+import os, socket, sys, time
+address, count = "\\0" + sys.argv[1], int(sys.argv[2])  # an abstract socket: no NUL in argv
+if len(sys.argv) > 3:
+    os.setuid(int(sys.argv[3]))
+held = []
+for _ in range(count):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(address)
+    held.append(s)
+print("held", flush=True)
+time.sleep(60)
+"""
 
 
 def test_an_idle_served_pair_costs_no_cpu(memory, planes):

@@ -134,3 +134,60 @@ def test_keygen_writes_a_new_private_file_and_never_overwrites_one(tmp_path):
     with pytest.raises(ConfigError, match="exists: remove it first"):
         write_node_key(str(path))
     assert NodeIdentity(path.read_bytes(), PeerDirectory(str(directory)), "tcp://10.0.0.1:32100").public_key == public
+
+
+def _writable_by_others(path):
+    path.chmod(0o666)
+
+
+def _owned_by_another_uid(path):
+    os.chown(path, 65534, -1)
+
+
+def _a_fifo(path):
+    path.unlink()
+    os.mkfifo(path)
+
+
+UNSAFE = {
+    "writable by others": (_writable_by_others, "writable by group or others"),
+    "another owner": (_owned_by_another_uid, "belongs to uid 65534"),
+    "a fifo": (_a_fifo, "not a regular file"),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNSAFE))
+def test_a_directory_anyone_else_could_write_or_that_could_block_is_refused_at_start_up(tmp_path, kind):
+    """Issue 43: a 0666 file let another uid append its key and be served; a FIFO hung start-up."""
+    if kind == "another owner" and os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root (CI runs as root)")
+    make, says = UNSAFE[kind]
+    path = tmp_path / "peers"
+    path.write_text(A_LINE + "\n")
+    make(path)
+    with pytest.raises(ConfigError, match=f"peer_directory_file .*{says}"):
+        PeerDirectory(str(path))
+
+
+@pytest.mark.parametrize("kind", list(UNSAFE))
+def test_a_directory_that_becomes_unsafe_at_run_time_admits_nobody_without_blocking_its_reader(tmp_path, kind):
+    """A FIFO renamed over the file stalled the server's reader (1 of 5 requests answered in 4 s)."""
+    import threading
+
+    if kind == "another owner" and os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root (CI runs as root)")
+    make, says = UNSAFE[kind]
+    path = tmp_path / "peers"
+    path.write_text(A_LINE + "\n")
+    clock = Clock()
+    directory = PeerDirectory(str(path), clock)
+    staged = tmp_path / "peers.new"
+    staged.write_text(f"{A_LINE}\n{B_LINE}\n")
+    make(staged)
+    os.replace(staged, path)
+    clock.now += RELOAD_S
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(directory.current()), daemon=True)
+    reader.start()
+    reader.join(2.0)
+    assert seen and seen[0].keys == frozenset()  # answered at once, and nobody is admitted
