@@ -279,7 +279,8 @@ def _unsafe(info: os.stat_result) -> str | None:
     if info.st_uid not in (os.geteuid(), 0):
         return f"belongs to uid {info.st_uid}, who could list any key; chown it to uid {os.geteuid()} (or root)"
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):o}), who could list any key; chmod 644 it"
+        mode = stat.S_IMODE(info.st_mode)
+        return f"is writable by group or others (mode {mode:o}), who could list any key; chmod 644 it"
     return None
 
 

@@ -176,7 +176,7 @@ def test_a_directory_that_becomes_unsafe_at_run_time_admits_nobody_without_block
 
     if kind == "another owner" and os.geteuid() != 0:
         pytest.skip("chown to another uid needs root (CI runs as root)")
-    make, says = UNSAFE[kind]
+    make, _ = UNSAFE[kind]
     path = tmp_path / "peers"
     path.write_text(A_LINE + "\n")
     clock = Clock()
