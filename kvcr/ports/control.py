@@ -20,7 +20,7 @@ another), so a server can bind state to the connection a request came over
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 Handler = Callable[[bytes], bytes | None]
 """Answers one request frame; returns the reply, or None for a one-way message (nothing is sent)."""
@@ -85,3 +85,15 @@ class ControlChannel(Protocol):
 
     def close(self) -> None:
         """Stop serving and drop connections."""
+
+
+@runtime_checkable
+class NodeAdmission(Protocol):
+    """Optional: a channel that knows nodes by their own keys can say whether one is still admitted.
+
+    Other links a node opened (the same-host plane's side links) follow it: a node revoked on the
+    channel loses them too (see ``BoundSideLinks``).
+    """
+
+    def node_admitted(self, node: bytes) -> bool:
+        """Whether ``node`` (as :func:`node_of` names it) may still be served; b"" (no node known): True."""

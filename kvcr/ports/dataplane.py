@@ -209,6 +209,26 @@ class SideChannel(Protocol):
 
 
 @runtime_checkable
+class BoundSideLinks(Protocol):
+    """Optional: a ``SideChannel`` whose links are bound to the node whose HELLO got the description.
+
+    The description a node receives carries a credential only for it; a link opened with it
+    carries that node's name to the handler (``with_node``), so per-node quotas count it with the
+    node's control connections, and a node the channel no longer admits loses its links.
+    """
+
+    def describe_to(self, node: bytes) -> bytes:
+        """``describe()`` for the peer ``node`` (b"": a peer the channel cannot name): its links are bound to it."""
+
+    def admit_side(self, admitted: Callable[[bytes], bool]) -> None:
+        """Close the links (and drop the frames) of a node ``admitted`` says no to, within ``SIDE_RECHECK_S``."""
+
+
+SIDE_RECHECK_S = 0.1
+"""How stale a revocation may be on a side link (the control channel's directory is read as often)."""
+
+
+@runtime_checkable
 class SharedBoards(Protocol):
     """Optional: a data plane that lets same-host peers map a source's slot boards (``kvcr.domain.board``).
 

@@ -20,8 +20,8 @@ from kvcr.domain.errors import ConfigError, KvcrError
 from kvcr.domain.hints import Endpoint
 from kvcr.domain.layout import RegionDescriptor
 from kvcr.ports.clock import Clock
-from kvcr.ports.control import ControlChannel
-from kvcr.ports.dataplane import DataPlane
+from kvcr.ports.control import ControlChannel, NodeAdmission
+from kvcr.ports.dataplane import BoundSideLinks, DataPlane
 from kvcr.ports.errors import TransportError
 from kvcr.ports.memory import HostMemory
 from kvcr.ports.metrics import Metrics
@@ -177,6 +177,8 @@ class RunnerNode:
         self.settings = settings
         self._lock = threading.Lock()
         self._closed = False
+        if isinstance(data_plane, BoundSideLinks) and isinstance(control, NodeAdmission):
+            data_plane.admit_side(control.node_admitted)  # a node revoked on the channel loses its side links
         try:
             control.serve_connections(self.server.handle)
         except BaseException:

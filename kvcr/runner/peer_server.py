@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 
 from kvcr.domain.layout import PieceRun
 from kvcr.ports.control import node_of
-from kvcr.ports.dataplane import DataPlane, GuardedReads, PeerActivity, SharedBoards, SideChannel
+from kvcr.ports.dataplane import (
+    BoundSideLinks,
+    DataPlane,
+    GuardedReads,
+    PeerActivity,
+    SharedBoards,
+    SideChannel,
+)
 from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metric_catalogue import RefusalReason
 from kvcr.ports.metrics import Metrics
@@ -127,6 +134,7 @@ class PeerServer:
             self._pools.append(PoolWire(pool_id, name, namespace, ids, pieces, regions[0].count, board))
             self._region_pool.update(dict.fromkeys(ids, name))
         self._activity = data_plane if isinstance(data_plane, PeerActivity) else None
+        self._bound = data_plane if isinstance(data_plane, BoundSideLinks) else None
         if isinstance(data_plane, GuardedReads):
             data_plane.guard_reads(self._covered)
         if isinstance(data_plane, SideChannel):
@@ -193,7 +201,7 @@ class PeerServer:
             return self._refusal(request.nonce, RefusalCode.REPLAYED)
         self._expect_reads()
         lease_ms = round(self._runner.config.timing.lease_s * 1000)
-        return HelloReply(request.nonce, session_id, self.incarnation, self._data_plane.describe(), pools, lease_ms)
+        return HelloReply(request.nonce, session_id, self.incarnation, self._describe_to(connection), pools, lease_ms)
 
     def _lease(self, request: Lease, connection: bytes) -> LeaseReply | Refused:
         if self._closing:
@@ -285,6 +293,12 @@ class PeerServer:
             if slots is None or any(s not in slots for s in range(run.src_first, run.src_first + run.count)):
                 return False
         return True
+
+    def _describe_to(self, connection: bytes) -> bytes:
+        """Our data-plane description; where the plane binds side links, made for the connection's node."""
+        if self._bound is None:
+            return self._data_plane.describe()
+        return self._bound.describe_to(node_of(connection) or b"")
 
     def _expect_reads(self) -> None:
         if self._activity is not None:

@@ -95,6 +95,9 @@ def build_node(
     verify_bytes: bool = False,
     page_digest: str = "xxh3",
     host: str = "127.0.0.1",
+    node_secret_key: bytes | None = None,
+    peer_directory_file: str | None = None,
+    max_peer_leased_fraction: float = 1.0,
 ) -> RunnerNode:
     """A node holding ``slots`` pages of ``page_bytes``, built through the composition root."""
     pool = bench_pool(page_bytes)
@@ -106,9 +109,16 @@ def build_node(
         timing=timing or Timing(),
         verify_bytes=verify_bytes,
         page_digest=page_digest,
-        max_peer_leased_fraction=1.0,  # benchmarks restore everything from one peer: no per-peer share
+        max_peer_leased_fraction=max_peer_leased_fraction,  # benchmarks: 1.0, everything from one peer
     )
-    node_settings = NodeSettings(host, port, token=token, peer=peer or PeerSettings())
+    node_settings = NodeSettings(
+        host,
+        port,
+        token=token,
+        node_secret_key=node_secret_key,
+        peer_directory_file=peer_directory_file,
+        peer=peer or PeerSettings(),
+    )
     return build_container(config, node=node_settings, transport=transport, control="zmq").node()
 
 
@@ -120,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="source")
     parser.add_argument("--host", default="127.0.0.1", help="control address (not loopback: needs --token-file)")
     parser.add_argument("--token-file")
+    parser.add_argument("--node-key-file", help="per-node identity: this node's secret key (with --directory)")
+    parser.add_argument("--directory", help="per-node identity: the peer directory file")
+    parser.add_argument("--peer-share", type=float, default=1.0, help="the most of a pool one peer may lease")
     parser.add_argument("--lease-ms", type=int, default=10_000)
     parser.add_argument("--transport", default="nixl", help="the data plane: nixl or ucx")
     parser.add_argument("--verify-bytes", action="store_true", help="digest pages at backup (targets may check)")
@@ -143,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         verify_bytes=args.verify_bytes,
         page_digest=args.page_digest,
         host=args.host,
+        node_secret_key=Path(args.node_key_file).read_bytes().strip() if args.node_key_file else None,
+        peer_directory_file=args.directory,
+        max_peer_leased_fraction=args.peer_share,
     )
     pool = bench_pool(args.page_bytes)
     host = HostPool.allocate(MmapHostMemory(), pool, args.pages)
@@ -151,7 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     for slot, key in enumerate(keys):
         host.write(slot, page_pattern(key + "impostor" if args.impostor else key, pool.page_bytes))
     stored = node.runner.backup("kv", keys, list(range(args.pages)))
-    info = {"endpoint": node.endpoint, "namespace": node.runner.namespace, "stored": sum(stored), "keys": keys}
+    info = {
+        "endpoint": node.endpoint,
+        "namespace": node.runner.namespace,
+        "namespaces": node.runner.namespaces,  # per pool: what a HELLO offers
+        "stored": sum(stored),
+        "keys": keys,
+    }
     print("READY " + json.dumps(info), flush=True)
     try:
         sys.stdin.read()  # serve until the parent closes our stdin (or kills us)

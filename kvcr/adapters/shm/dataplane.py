@@ -5,10 +5,11 @@ How the port maps onto shared memory:
 - ``register`` records regions; an *exposed* one must lie in one shared allocation of the memory
   adapter (``SharesMemory.backing``: a sealed memfd), or registration fails. Private regions (the
   engine's host pages, staging) are only destinations and are never shared.
-- ``describe`` names this plane, its host identity (``host.py``), its broker's abstract socket, a
-  random secret and the exposed region table. The broker (``broker.py``, started at the first
-  ``describe``) hands a peer that presents the secret a *read-only* descriptor of each exposed
-  region's memfd and keeps that connection open as the liveness signal.
+- ``describe`` (``describe_to`` a named node) names this plane, its host identity (``host.py``),
+  its broker's abstract socket, a ticket for that node (``wire.make_ticket``) and the exposed
+  region table. The broker (``broker.py``, started at the first description) hands a peer that
+  presents a ticket of ours, for a node still admitted (``admit_side``), a *read-only* descriptor
+  of each exposed region's memfd and keeps that connection open as the liveness signal.
 - ``connect`` refuses a peer on another host, namespace or uid (``PeerUnavailable``: the caller
   falls back to another plane), takes the grant, checks each descriptor is sealed against
   shrinking (so a mapping can never SIGBUS) and covers its regions, maps it ``PROT_READ``, and
@@ -153,6 +154,7 @@ class ShmDataPlane:
         self._broker: Broker | None = None
         self._beacon: _Beacon | None = None
         self._side_handler: ConnectionHandler | None = None
+        self._admitted: Callable[[bytes], bool] | None = None
         self.side_requests = 0  # side round trips this plane made as a target
 
     @property
@@ -187,6 +189,9 @@ class ShmDataPlane:
     # ------------------------------------------------------------------ source side
 
     def describe(self) -> bytes:
+        return self.describe_to(b"")
+
+    def describe_to(self, node: bytes) -> bytes:
         with self._lock:
             self._check_open()
             if self._broker is None:
@@ -194,6 +199,8 @@ class ShmDataPlane:
                 self._broker = Broker(self._secret, self._grant)
                 if self._side_handler is not None:
                     self._broker.serve(self._side_handler)
+                if self._admitted is not None:
+                    self._broker.admit(self._admitted)
             exposed = [
                 RegionWire(rid, r.region.count, r.region.piece_bytes, r.region.stride)
                 for rid, r in self._regions.items()
@@ -209,7 +216,7 @@ class ShmDataPlane:
                     host.net_namespace,
                     host.uid,
                     self._broker.address,
-                    self._secret,
+                    wire.make_ticket(self._secret, node),
                     self._beacon.digest if self._beacon else b"",
                     exposed,
                 )
@@ -438,6 +445,12 @@ class ShmDataPlane:
             if self._broker is not None:
                 self._broker.serve(handler)
 
+    def admit_side(self, admitted: Callable[[bytes], bool]) -> None:
+        with self._lock:
+            self._admitted = admitted
+            if self._broker is not None:
+                self._broker.admit(admitted)
+
     def side_request(self, peer: str, payload: bytes, timeout_s: float) -> bytes | None:
         if len(payload) > SIDE_FRAME_BYTES:
             return None
@@ -592,7 +605,7 @@ def _attach(desc: Description, description: bytes, timeout_s: float) -> _Peer:
     try:
         sock.settimeout(max(timeout_s, 0.001))
         sock.connect(desc.socket)
-        sock.sendall(wire.Request(desc.secret).encode())
+        sock.sendall(wire.Request(desc.ticket).encode())
         blob, fds, flags, _ = socket.recv_fds(sock, 1 << 20, wire.MAX_FILES + 1)
         if not blob:
             raise PeerUnavailable(f"shm peer {desc.name!r} closed its socket without a grant")

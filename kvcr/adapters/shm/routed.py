@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -20,6 +20,7 @@ from kvcr.domain.board import BoardHits, BoardLayout
 from kvcr.domain.layout import PieceRun, RegionDescriptor
 from kvcr.ports.control import ConnectionHandler
 from kvcr.ports.dataplane import (
+    BoundSideLinks,
     DataPlane,
     GuardedReads,
     PeerInfo,
@@ -166,7 +167,12 @@ class SameHostFirst:
         return found[0].board_read(peer, found[1], layout, inner, src_slots, dst_slots, gens)
 
     def describe(self) -> bytes:
-        shm, fallback = self._shm.describe(), self._fallback.describe()
+        return self.describe_to(b"")
+
+    def describe_to(self, node: bytes) -> bytes:
+        """Both planes' descriptions; the same-host part is made for ``node`` (see ``BoundSideLinks``)."""
+        shm = self._shm.describe_to(node) if isinstance(self._shm, BoundSideLinks) else self._shm.describe()
+        fallback = self._fallback.describe()
         with self._lock:
             ids = [(mine, s, f) for mine, (s, f, exposed) in self._regions.items() if exposed]
         return msgspec.msgpack.encode(_Wire(VERSION, shm, fallback, ids))
@@ -274,6 +280,10 @@ class SameHostFirst:
             return allowed(lease, [PieceRun(ours[r.src], r.src_first, r.dst, r.dst_first, r.count) for r in runs])
 
         self._fallback.guard_reads(in_our_ids)
+
+    def admit_side(self, admitted: Callable[[bytes], bool]) -> None:
+        if isinstance(self._shm, BoundSideLinks):
+            self._shm.admit_side(admitted)
 
     def serve_side(self, handler: ConnectionHandler) -> None:
         """Side links are the shm plane's (a NIXL peer has none)."""

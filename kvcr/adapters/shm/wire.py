@@ -1,14 +1,22 @@
 """What a shm data plane tells its peers, and what it hands them over its socket.
 
 The *description* (sent only to authenticated peers, inside the control channel's HELLO reply)
-names the sender, its host identity, the abstract socket it hands memory out on, a random secret
-that socket asks for, the digest of its beacon, and its exposed region table by id. The *grant*
-is the socket's answer to a request carrying that secret: where each exposed region lives in the
+names the sender, its host identity, the abstract socket it hands memory out on, a *ticket* that
+socket asks for, the digest of its beacon, and its exposed region table by id. The *grant* is the
+socket's answer to a request carrying that ticket: where each exposed region lives in the
 descriptors sent with it (SCM_RIGHTS). Both are versioned msgpack; every field is checked here.
+
+A ticket names the node the description was made for (its *owner*; empty where the control
+channel cannot tell nodes apart) and carries a MAC of that name under the source's random secret:
+the source checks it without keeping any state, and binds the link it grants to that node. A
+node's ticket is useless to any other node (the link would count as the ticket's owner's), and a
+revoked owner's ticket is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass
 
 import msgspec
@@ -16,9 +24,13 @@ import msgspec
 from kvcr.adapters.shm.host import HostIdentity
 from kvcr.ports.errors import PeerUnavailable
 
-VERSION = 1
+VERSION = 2  # 2: a per-node ticket instead of one secret for every peer
 SECRET_BYTES = 32
-REQUEST_MAGIC = b"kvcr-shm-request/1\n"
+MAC_BYTES = 32
+MAX_OWNER_BYTES = 64
+MAX_TICKET_BYTES = 1 + MAX_OWNER_BYTES + MAC_BYTES
+REQUEST_MAGIC = b"kvcr-shm-request/2\n"
+_TICKET_CONTEXT = b"kvcr-shm-ticket/2\0"
 MAX_REGIONS = 4096
 MAX_FILES = 250  # SCM_RIGHTS carries at most 253 descriptors per message
 
@@ -42,7 +54,7 @@ class Description(msgspec.Struct, frozen=True):
     net_namespace: int
     uid: int
     socket: str
-    secret: bytes
+    ticket: bytes
     beacon_digest: bytes
     regions: list[RegionWire]
 
@@ -68,10 +80,27 @@ class Grant(msgspec.Struct, frozen=True):
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    secret: bytes
+    ticket: bytes
 
     def encode(self) -> bytes:
-        return REQUEST_MAGIC + self.secret
+        return REQUEST_MAGIC + self.ticket
+
+
+def make_ticket(secret: bytes, owner: bytes) -> bytes:
+    """A ticket for ``owner`` (at most ``MAX_OWNER_BYTES``), checked by :func:`ticket_owner` with ``secret``."""
+    if len(owner) > MAX_OWNER_BYTES:
+        raise ValueError(f"a ticket owner is at most {MAX_OWNER_BYTES} bytes, got {len(owner)}")
+    return bytes([len(owner)]) + owner + hmac.new(secret, _TICKET_CONTEXT + owner, hashlib.sha256).digest()
+
+
+def ticket_owner(secret: bytes, ticket: bytes) -> bytes | None:
+    """The owner a ticket was made for with ``secret``; None for a ticket ``secret`` did not make."""
+    size = ticket[0] if ticket else 0
+    if len(ticket) != 1 + size + MAC_BYTES or size > MAX_OWNER_BYTES:
+        return None
+    owner = ticket[1 : 1 + size]
+    expected = hmac.new(secret, _TICKET_CONTEXT + owner, hashlib.sha256).digest()
+    return owner if hmac.compare_digest(ticket[1 + size :], expected) else None
 
 
 def encode(message: Description | Grant) -> bytes:
@@ -99,8 +128,11 @@ def decode_description(blob: bytes) -> Description:
 def _description_problem(desc: Description) -> str | None:
     if not desc.name:
         return "no name"
-    if len(desc.secret) != SECRET_BYTES or not desc.socket.startswith("\0"):
-        return "no usable socket or secret"
+    ticket = desc.ticket
+    if not ticket or len(ticket) != 1 + ticket[0] + MAC_BYTES or ticket[0] > MAX_OWNER_BYTES:
+        return "no usable ticket"
+    if not desc.socket.startswith("\0"):
+        return "no usable socket"
     if len(desc.regions) > MAX_REGIONS:
         return f"{len(desc.regions)} regions (at most {MAX_REGIONS})"
     ids = set()
@@ -134,6 +166,7 @@ def decode_grant(blob: bytes, files: int, incarnation: bytes) -> Grant:
 
 __all__ = [
     "MAX_FILES",
+    "MAX_TICKET_BYTES",
     "REQUEST_MAGIC",
     "SECRET_BYTES",
     "VERSION",
@@ -145,4 +178,6 @@ __all__ = [
     "decode_description",
     "decode_grant",
     "encode",
+    "make_ticket",
+    "ticket_owner",
 ]

@@ -205,6 +205,11 @@ class ZmqControlChannel:
         """Whether connections are CURVE-authenticated (a token, or this node's own key, was given)."""
         return self._keyring is not None
 
+    def node_admitted(self, node: bytes) -> bool:
+        """Whether ``node`` (a client's raw public key) is listed now; any node when keys are not per node."""
+        keyring = self._keyring
+        return not node or keyring is None or not keyring.per_node or keyring.admits(node)
+
     @property
     def refusals(self) -> dict[str, int]:
         """Connections refused and frames dropped by our server so far, by reason (a snapshot)."""

@@ -400,3 +400,98 @@ def test_a_source_that_takes_another_sources_data_plane_name_is_refused_and_read
     assert outcomes(again) == [Outcome.RESTORED] * 8
     for slot, key in enumerate(honest.keys):
         assert host.read(slot) == page_pattern(key, PAGE), f"page {slot} is not the honest source's"
+
+
+class Identities:
+    """Per-node keys for nodes on loopback ports, one directory file listing them (rewritten by rename)."""
+
+    def __init__(self, tmp_path: Path, *ports: int):
+        from kvcr.adapters.zmq.identity import generate_secret_key
+
+        self.path = tmp_path / "peers"
+        self.keys = {port: generate_secret_key() for port in ports}
+        self.files = {}
+        for port, (secret, _) in self.keys.items():
+            self.files[port] = tmp_path / f"node-{port}.key"
+            self.files[port].write_bytes(secret)
+            self.files[port].chmod(0o600)
+        self.list(*ports)
+
+    def list(self, *ports: int) -> None:
+        staged = self.path.with_suffix(".new")
+        staged.write_text("".join(f"tcp://127.0.0.1:{p} {self.keys[p][1].decode()}\n" for p in ports))
+        os.replace(staged, self.path)
+
+    def source_args(self, port: int) -> tuple[str, ...]:
+        return ("--node-key-file", str(self.files[port]), "--directory", str(self.path))
+
+
+def test_a_revoked_node_loses_its_same_host_side_link_within_half_a_second(sources, tmp_path):
+    """Issue 43: a node refused over ZMQ in 32 ms kept leasing and reading over its old side link."""
+    source_port, target_port = free_port(), free_port()
+    ids = Identities(tmp_path, source_port, target_port)
+    source = sources(8, transport="shm", port=source_port, extra=ids.source_args(source_port))
+    node = build_node(
+        f"target-{time.monotonic_ns()}",
+        target_port,
+        PAGE,
+        8,
+        timing=TIMING,
+        transport="shm",
+        node_secret_key=ids.keys[target_port][0],
+        peer_directory_file=str(ids.path),
+    )
+    host = HostPool.allocate(MmapHostMemory(), bench_pool(PAGE), 8)
+    try:
+        node.register_host_pool("kv", host.regions)
+        reads = [PoolRead("kv", source.keys[:4], [0, 1, 2, 3])]
+        assert outcomes(node.client.restore(source.endpoint, reads)) == [Outcome.RESTORED] * 4
+        ids.list(source_port)  # the target's line removed
+        time.sleep(0.5)
+        host.zero()
+        assert Outcome.RESTORED not in outcomes(node.client.restore(source.endpoint, reads))
+        assert all(host.read(slot) == bytes(PAGE) for slot in range(4))
+    finally:
+        node.close()
+        host.free()
+
+
+def test_one_nodes_side_links_share_its_lease_quota_with_each_other(sources, tmp_path):
+    """One listed node over 4 side links pinned the whole lease cap (16/16); 4 ZMQ connections pinned 8."""
+    import secrets
+
+    from kvcr.adapters.shm import ShmDataPlane
+
+    source_port, prober_port = free_port(), free_port()
+    ids = Identities(tmp_path, source_port, prober_port)
+    # 32 slots; peers may pin half (16), one peer a quarter of that (4 pages).
+    source = sources(
+        16, transport="shm", port=source_port, extra=(*ids.source_args(source_port), "--peer-share", "0.25")
+    )
+    memory = MmapHostMemory(shared=True)
+    channel = ZmqControlChannel(
+        "127.0.0.1", prober_port, node_secret_key=ids.keys[prober_port][0], peer_directory_file=str(ids.path)
+    )
+    planes = [ShmDataPlane(f"prober-{n}-{os.getpid()}", memory) for n in range(4)]
+    try:
+        granted = 0
+        for n, plane in enumerate(planes):
+            hello = Hello(secrets.token_bytes(16), plane.name, "p", source.info["namespaces"])
+            over_zmq = protocol.decode(channel.request(source.endpoint, protocol.encode(hello), 3.0))
+            assert isinstance(over_zmq, HelloReply)
+            (kv,) = [p for p in over_zmq.pools if p.name == "kv"]
+            peer = plane.connect(over_zmq.data_plane, 5.0)
+            side_hello = Hello(secrets.token_bytes(16), plane.name, "p", hello.namespaces)
+            over_side = protocol.decode(plane.side_request(peer.name, protocol.encode(side_hello), 3.0))
+            assert isinstance(over_side, HelloReply)
+            pages = source.keys[4 * n : 4 * n + 4]  # each link asks for pages of its own
+            lease = Lease(secrets.token_bytes(16), over_side.session, 5000, [(kv.pool_id, pages)])
+            reply = protocol.decode(plane.side_request(peer.name, protocol.encode(lease), 3.0))
+            assert isinstance(reply, LeaseReply)
+            granted += sum(slot >= 0 for slots in reply.slots for slot in slots)
+        assert granted == 4  # the node's share, whichever link asked
+    finally:
+        for n, plane in enumerate(planes):
+            plane.close()
+        channel.close()
+        memory.close()

@@ -28,7 +28,7 @@ from kvcr.adapters.shm import SameHostFirst, ShmDataPlane, dataplane
 from kvcr.adapters.shm.broker import Broker
 from kvcr.adapters.shm.dataplane import SIDE_SPIN_S
 from kvcr.adapters.shm.host import HostIdentity, this_host
-from kvcr.adapters.shm.wire import REQUEST_MAGIC, SECRET_BYTES
+from kvcr.adapters.shm.wire import REQUEST_MAGIC, SECRET_BYTES, make_ticket
 from kvcr.domain.layout import PieceRun, RegionDescriptor
 from kvcr.ports.dataplane import SIDE_FRAME_BYTES, TransferState
 from kvcr.ports.errors import ControlTimeout, PeerUnavailable, RegistrationError
@@ -119,15 +119,27 @@ def _ask(address, payload):
         return blob, len(fds)
 
 
-def test_the_broker_gives_nothing_for_a_wrong_secret_and_a_descriptor_for_the_right_one():
+def _request(secret, owner=b""):
+    return REQUEST_MAGIC + make_ticket(secret, owner)
+
+
+def test_the_broker_gives_nothing_for_a_wrong_ticket_and_a_descriptor_for_the_right_one():
     secret = os.urandom(SECRET_BYTES)
     memfd = os.memfd_create("grant")
     broker = Broker(secret, lambda: (b"grant", [memfd]))
     try:
-        for wrong in (REQUEST_MAGIC + os.urandom(SECRET_BYTES), REQUEST_MAGIC + secret[:-1], b"", secret):
+        ticket = make_ticket(secret, b"node-a")
+        for wrong in (
+            _request(os.urandom(SECRET_BYTES)),  # a ticket another source made
+            _request(secret)[:-1],
+            REQUEST_MAGIC + ticket[:1] + b"node-b" + ticket[7:],  # node-a's MAC under another owner's name
+            b"",
+            make_ticket(secret, b""),  # no magic
+        ):
             assert _ask(broker.address, wrong or b"\0") == (b"", 0)
-        assert broker.refused == 4
-        assert _ask(broker.address, REQUEST_MAGIC + secret) == (b"grant", 1)
+        assert broker.refused == 5
+        assert _ask(broker.address, _request(secret)) == (b"grant", 1)
+        assert _ask(broker.address, REQUEST_MAGIC + ticket) == (b"grant", 1)
     finally:
         broker.close()
         os.close(memfd)
@@ -155,11 +167,11 @@ def test_silent_connections_are_dropped_after_the_handshake_window_and_capped():
         broker.close()
 
 
-def _granted_link(broker, secret):
+def _granted_link(broker, secret, owner=b""):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.settimeout(5.0)
     sock.connect(broker.address)
-    sock.sendall(REQUEST_MAGIC + secret)
+    sock.sendall(_request(secret, owner))
     blob, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
     for fd in fds:
         os.close(fd)
@@ -208,7 +220,7 @@ def test_connections_without_the_secret_never_keep_a_target_from_its_grant():
         while broker.granted < 4 and time.monotonic() < deadline:  # the grant reaches us before it is counted
             time.sleep(0.01)
         assert broker.granted == 4 and broker.connections <= 4 + 8
-        assert _ask(broker.address, REQUEST_MAGIC + secret) == (b"", 0)  # past max_connections: refused
+        assert _ask(broker.address, _request(secret)) == (b"", 0)  # past max_connections: refused
         for link in links:
             link.close()
     finally:
@@ -258,6 +270,48 @@ for _ in range(count):
 print("held", flush=True)
 time.sleep(60)
 """
+
+
+def test_a_link_speaks_as_its_tickets_owner_and_closes_within_the_recheck_once_the_owner_is_revoked():
+    """Issue 43: a revoked node kept leasing over its old side link and opened a new one with the kept secret."""
+    from kvcr.ports.control import node_of
+    from kvcr.ports.dataplane import SIDE_RECHECK_S
+
+    broker, secret, memfd = _broker()
+    admitted = {b"node-a", b"node-b"}
+    broker.admit(lambda node: node in admitted)
+    broker.serve(lambda frame, connection: node_of(connection))
+    a, b = _granted_link(broker, secret, b"node-a"), _granted_link(broker, secret, b"node-b")
+    try:
+        for link, node in ((a, b"node-a"), (b, b"node-b")):
+            link.sendall(b"who?")
+            assert link.recv(64) == node
+        admitted.discard(b"node-a")
+        revoked_at = time.monotonic()
+        assert a.recv(64) == b""  # closed by the broker though a sent nothing
+        assert time.monotonic() - revoked_at < SIDE_RECHECK_S + 0.4
+        assert _ask(broker.address, _request(secret, b"node-a")) == (b"", 0)  # its ticket opens nothing now
+        b.sendall(b"who?")
+        assert b.recv(64) == b"node-b"
+    finally:
+        a.close()
+        b.close()
+        broker.close()
+        os.close(memfd)
+
+
+def test_one_node_holds_at_most_max_per_node_links():
+    """One listed node over 4 side links pinned the whole lease cap: its links are few, and count as it."""
+    broker, secret, memfd = _broker(max_per_node=2)
+    try:
+        held = [_granted_link(broker, secret, b"node-a") for _ in range(2)]
+        assert _ask(broker.address, _request(secret, b"node-a")) == (b"", 0)
+        held.append(_granted_link(broker, secret, b"node-b"))
+        for sock in held:
+            sock.close()
+    finally:
+        broker.close()
+        os.close(memfd)
 
 
 def test_an_idle_served_pair_costs_no_cpu(memory, planes):
