@@ -491,7 +491,7 @@ def test_one_nodes_side_links_share_its_lease_quota_with_each_other(sources, tmp
             granted += sum(slot >= 0 for slots in reply.slots for slot in slots)
         assert granted == 4  # the node's share, whichever link asked
     finally:
-        for n, plane in enumerate(planes):
+        for plane in planes:
             plane.close()
         channel.close()
         memory.close()
