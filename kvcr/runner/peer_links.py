@@ -11,10 +11,12 @@ Every control round trip goes through ``call``, which binds a reply to the reque
 turns every failure into None.
 
 Names: a source chooses the name its data-plane description claims, and a data plane keys its
-peers (and replaces one) by that name. So each name belongs to the endpoint whose authenticated
-HELLO brought it first, until that link is dropped: a source at another endpoint claiming it is
-refused before its description is connected (``name_in_use``), so a link never reads from a
-peer that another endpoint's source put in its place.
+peers (and replaces one) by that name. So each name belongs to the description the endpoint whose
+authenticated HELLO brought it first connected, until the last link using it is dropped: a source
+at another endpoint claiming it with another description is refused before that description is
+connected (``name_in_use``), so a link never reads from a peer that another endpoint's source put
+in its place. The same description at another endpoint (one source reached at two addresses)
+changes nothing in the plane, and both links share its peer.
 
 Side links: when the data plane also carries control frames to a peer (``SideChannel``: the
 same-host plane's UNIX socket), the link says HELLO a second time over it, and the session that
@@ -200,7 +202,8 @@ class SourceLinks:
         self._down_until: dict[str, float] = {}
         self._connecting: dict[str, threading.Event] = {}  # one HELLO and connect per endpoint at a time
         self._kept: set[str] = set()  # endpoints connected ahead of need: never closed for idling
-        self._names: dict[str, str] = {}  # data-plane peer name -> the endpoint whose link holds it
+        # data-plane peer name -> the description connected under it, and the endpoints whose links use it
+        self._names: dict[str, tuple[bytes, set[str]]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -263,7 +266,7 @@ class SourceLinks:
         except TransportError as exc:
             self.mark_down(endpoint, f"cannot connect its data plane: {exc}")
             return None
-        if not self._claim(name, endpoint):
+        if not self._claim(name, endpoint, reply.data_plane):
             count_failure(self._metrics, FailureReason.NAME_IN_USE)
             self.mark_down(endpoint, f"its data-plane name {name[:80]!r} is held by another source's link")
             return None
@@ -292,16 +295,29 @@ class SourceLinks:
             self._drop(old, old_link)  # both halves: the control connection and the data-plane peer
         return link
 
-    def _claim(self, name: str, endpoint: str) -> bool:
-        """Bind ``name`` to ``endpoint``; False if another endpoint's link holds it."""
+    def _claim(self, name: str, endpoint: str, description: bytes) -> bool:
+        """Bind ``name`` to ``endpoint``'s link; False if another endpoint's link uses it with another description."""
         with self._lock:
-            holder = self._names.setdefault(name, endpoint)
-        return holder == endpoint
+            held = self._names.get(name)
+            if held is None or held[1] <= {endpoint}:
+                self._names[name] = (description, {endpoint})
+                return True
+            if held[0] != description:
+                return False
+            held[1].add(endpoint)
+            return True
 
-    def _unclaim(self, name: str, endpoint: str) -> None:
+    def _unclaim(self, name: str, endpoint: str) -> bool:
+        """Unbind ``name`` from ``endpoint``; True when no link uses it any more (its data-plane peer may go)."""
         with self._lock:
-            if self._names.get(name) == endpoint:
-                del self._names[name]
+            held = self._names.get(name)
+            if held is None:
+                return True
+            held[1].discard(endpoint)
+            if held[1]:
+                return False
+            del self._names[name]
+            return True
 
     def _open_side(self, link: Link, deadline: float) -> None:
         """HELLO over the data plane's side link, if it has one to this peer; the link keeps the session."""
@@ -406,10 +422,9 @@ class SourceLinks:
             log.info(
                 "kvcr: a read from %s's previous incarnation failed (%s); its new one is not skipped", endpoint, why
             )
-            if failed.peer.name != newer.peer.name:
+            if failed.peer.name != newer.peer.name and self._unclaim(failed.peer.name, endpoint):
                 with contextlib.suppress(TransportError):
                     self._data_plane.disconnect(failed.peer.name)
-                self._unclaim(failed.peer.name, endpoint)
             return
         retry_after_s = self._timing.retry_after_s
         log.info("kvcr: peer %s skipped for %.1fs: %s", endpoint, retry_after_s, why)
@@ -459,10 +474,9 @@ class SourceLinks:
             self._drop(endpoint, link)
 
     def _drop(self, endpoint: str, link: Link | None = None) -> None:
-        if link is not None:
+        if link is not None and self._unclaim(link.peer.name, endpoint):  # else another endpoint's link reads it
             with contextlib.suppress(TransportError):
                 self._data_plane.disconnect(link.peer.name)
-            self._unclaim(link.peer.name, endpoint)
         self._control.forget(endpoint)
 
 

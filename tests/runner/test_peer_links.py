@@ -61,10 +61,10 @@ class RecordingPlane:
         self.disconnected: list[str] = []
 
     def peer_name(self, description: bytes) -> str:
-        return description.decode()
+        return description.decode().partition("|")[0]  # "name|anything else the description says"
 
     def connect(self, description: bytes, timeout_s: float) -> PeerInfo:
-        return PeerInfo(description.decode(), late_writes=False)
+        return PeerInfo(self.peer_name(description), late_writes=False)
 
     def disconnect(self, peer: str) -> None:
         self.disconnected.append(peer)
@@ -165,7 +165,7 @@ def test_a_source_claiming_a_data_plane_name_another_links_source_holds_is_refus
     """Issue 43: the name in a description is the source's choice; it stays bound to the first endpoint."""
     source, control, plane, clock, metrics = links()
     assert source.get("a", FAR) is not None
-    control.plane["x"] = "a@a-1"  # x describes its plane under a's name
+    control.plane["x"] = "a@a-1|x's own memory"  # x describes its plane under a's name
     assert source.get("x", FAR) is None
     assert metrics.snapshot()["kvcr_failures_total{path=remote_restore,reason=name_in_use}"] == 1
     assert plane.disconnected == []  # a's peer stays connected: nothing of x replaced it
@@ -174,6 +174,17 @@ def test_a_source_claiming_a_data_plane_name_another_links_source_holds_is_refus
     clock.advance(Timing().retry_after_s)
     assert source.get("x", FAR) is not None
     assert source.get("a", FAR) is None  # and now a is the one refused
+
+
+def test_one_source_reached_at_two_endpoints_shares_its_peer_and_it_goes_with_the_last_link():
+    """The same description under one name at two endpoints (two addresses of one source) changes nothing."""
+    source, control, plane, _, _ = links()
+    control.plane["a-by-ip"] = "a@a-1"
+    assert source.get("a", FAR) is not None and source.get("a-by-ip", FAR) is not None
+    source.forget("a")
+    assert plane.disconnected == []  # a-by-ip still reads from it
+    source.forget("a-by-ip")
+    assert plane.disconnected == ["a@a-1"]
 
 
 def test_a_source_at_the_same_endpoint_may_describe_the_same_name_again():

@@ -126,3 +126,16 @@ def test_a_bad_rotation_token_file_is_named_as_such(tmp_path):
     settings = parse_settings({"auth_token_file": good, "rotation_token_files": [readable]})
     with pytest.raises(ConfigError, match=r"^rotation_token_files .*readable or writable by group"):
         settings.rotation_tokens()
+
+
+def test_the_default_page_digest_is_one_a_compromised_node_cannot_keep_where_nodes_have_their_own_keys(tmp_path):
+    """Issue 43: with per-node identities the default is blake3 (an xxh3 second preimage written over NIXL
+    was served as the owner's page); with a cluster token, or none, it stays xxh3; a setting wins."""
+    keyed = {"node_key_file": str(tmp_path / "node.key"), "peer_directory_file": str(tmp_path / "peers")}
+    assert parse_settings({}).page_digest == "auto"
+    assert parse_settings({}).digest() == "xxh3"
+    assert parse_settings(keyed).digest() == "blake3"
+    assert parse_settings({**keyed, "page_digest": "xxh3"}).digest() == "xxh3"
+    assert parse_settings({"page_digest": "blake3"}).digest() == "blake3"
+    with pytest.raises(ConfigError, match="page_digest must be one of auto, xxh3, blake3, got 'md5'"):
+        parse_settings({"page_digest": "md5"})

@@ -77,7 +77,7 @@ class Broker:
         self.refused = 0  # connections closed without a grant (bad secret, uid, timeout, over a cap)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._listener.bind(self.address)
-        self._listener.listen(64)
+        self._listener.listen(256)
         self._listener.setblocking(False)
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._selector = selectors.DefaultSelector()

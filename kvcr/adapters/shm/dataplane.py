@@ -604,7 +604,7 @@ def _attach(desc: Description, description: bytes, timeout_s: float) -> _Peer:
     maps: list[tuple[int, int]] = []
     try:
         sock.settimeout(max(timeout_s, 0.001))
-        sock.connect(desc.socket)
+        _connect(sock, desc.socket, time.monotonic() + timeout_s)
         sock.sendall(wire.Request(desc.ticket).encode())
         blob, fds, flags, _ = socket.recv_fds(sock, 1 << 20, wire.MAX_FILES + 1)
         if not blob:
@@ -641,6 +641,23 @@ def _attach(desc: Description, description: bytes, timeout_s: float) -> _Peer:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _connect(sock: socket.socket, address: str, deadline: float) -> None:
+    """Connect, trying again while the broker's backlog is full (a UNIX socket says so at once,
+    EAGAIN, instead of waiting): a flood of other connections must delay a target, not refuse it.
+
+    Raises:
+        OSError: refused, or still full at ``deadline``.
+    """
+    while True:
+        try:
+            sock.connect(address)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.001)
 
 
 def _checked_size(name: str, fd: int) -> int:

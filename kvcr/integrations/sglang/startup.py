@@ -194,7 +194,7 @@ def start(
         policy=settings.policy,
         timing=settings.timing(),
         verify_bytes=settings.verify_bytes,
-        page_digest=settings.page_digest,
+        page_digest=settings.digest(),
         max_peer_leased_fraction=settings.peer_lease_share,
     )
     node_settings = None

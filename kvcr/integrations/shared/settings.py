@@ -26,6 +26,8 @@ from kvcr.domain.transports import TRANSPORT_NAMES, Transport
 from kvcr.domain.units import parse_byte_size
 from kvcr.runner.peer_client import LANDINGS
 
+PAGE_DIGEST_AUTO = "auto"  # blake3 with per-node identities, xxh3 otherwise (KvcrSettings.digest)
+
 MIN_TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 4096
 # A token of fewer distinct bytes than this is not random (``aaaa...``, ``0000...``, ``abababab...``):
@@ -69,7 +71,7 @@ class KvcrSettings:
     peer_retry_ms: int = 1000
     read_batch_pages: int = 128
     verify_bytes: bool = True
-    page_digest: str = "xxh3"
+    page_digest: str = "auto"
     same_host_shm: bool = True
     landing: str = "auto"
     auth_token_file: str | None = None
@@ -108,6 +110,15 @@ class KvcrSettings:
     def rotation_tokens(self) -> tuple[bytes, ...]:
         """Tokens also admitted (and dialled with) while the cluster rotates to a new token."""
         return tuple(read_token_file(path, "rotation_token_files") for path in self.rotation_token_files)
+
+    def digest(self) -> str:
+        """The page digest this rank uses: ``page_digest``, where ``auto`` means ``blake3`` with per-node
+        identities (their promise, that one compromised node stays one node's problem, needs a
+        digest its writes cannot keep) and ``xxh3`` with a cluster token or none (where any
+        holder can already answer as another node, so a forgery-proof digest buys little)."""
+        if self.page_digest != PAGE_DIGEST_AUTO:
+            return self.page_digest
+        return "blake3" if self.node_key_file is not None else "xxh3"
 
     def node_key(self) -> bytes | None:
         """This node's own CURVE secret key (per-node identities), read once at start-up, or None."""
@@ -290,8 +301,9 @@ def _check(s: KvcrSettings) -> None:
         raise ConfigError(f"transport must be one of {', '.join(TRANSPORT_NAMES)}, got {_shown(s.transport)}")
     if s.transport == Transport.SHM.value and not s.same_host_shm:
         raise ConfigError("transport shm shares arenas with same-host peers: it cannot run with same_host_shm false")
-    if s.page_digest not in PAGE_DIGEST_NAMES:
-        raise ConfigError(f"page_digest must be one of {', '.join(PAGE_DIGEST_NAMES)}, got {_shown(s.page_digest)}")
+    if s.page_digest not in (PAGE_DIGEST_AUTO, *PAGE_DIGEST_NAMES):
+        names = ", ".join((PAGE_DIGEST_AUTO, *PAGE_DIGEST_NAMES))
+        raise ConfigError(f"page_digest must be one of {names}, got {_shown(s.page_digest)}")
     if s.dram_bytes <= 0:
         raise ConfigError("dram_bytes must be positive")
     if not 0 <= s.control_port < 65536:

@@ -104,6 +104,7 @@ def test_per_node_identities_reach_the_node_and_its_control_channel_authenticate
     assert node is not None and node.control.authenticated
     assert node.settings.token is None and node.settings.peer_directory_file == settings["peer_directory_file"]
     assert node.settings.node_secret_key.strip() == (tmp_path / "node.key").read_bytes().strip()
+    assert store.runner.config.page_digest == "blake3"  # page_digest auto: a digest no listed node can keep
 
 
 def test_a_directory_that_does_not_list_this_node_stops_start_up_with_the_line_to_add(stores, tmp_path):
