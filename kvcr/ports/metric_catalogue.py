@@ -146,6 +146,8 @@ class RefusalReason(str, enum.Enum):
     FRAME = "frame"
     # (per-node identities) a request over a connection whose node the peer directory no longer lists:
     REVOKED = "revoked"
+    # A connection shut down as it was accepted: its host already held its share of connections:
+    CROWDED = "crowded"
 
 
 class Lookup(str, enum.Enum):

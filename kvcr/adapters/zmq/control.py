@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from kvcr.adapters.zmq.curve import Credentials, Keyring
 from kvcr.adapters.zmq.identity import NodeIdentity, PeerDirectory
 from kvcr.adapters.zmq.links import Conn, PeerLinks
-from kvcr.adapters.zmq.server import ONEWAY_ID, REFUSAL_REASONS, ControlServer
+from kvcr.adapters.zmq.server import MAX_CONNECTIONS_PER_HOST, ONEWAY_ID, REFUSAL_REASONS, ControlServer
 from kvcr.adapters.zmq.sockets import zmq_address
 from kvcr.domain.endpoints import WILDCARD_HOSTS
 from kvcr.domain.errors import ConfigError
@@ -115,6 +115,7 @@ class ZmqControlChannel:
         max_peers: int = 256,
         idle_close_s: float = 30.0,
         handshake_timeout_s: float = 2.0,
+        max_connections_per_host: int = MAX_CONNECTIONS_PER_HOST,
         on_refusal: Callable[[str], None] | None = None,
     ) -> None:
         if not isinstance(port, int) or not 0 < port < 65536:
@@ -175,6 +176,11 @@ class ZmqControlChannel:
         self._unauthenticated_remote = not authenticated and not _is_loopback(bind_host)
         self._max_message_bytes = max_message_bytes
         self._handshake_ms = max(1, round(handshake_timeout_s * 1000))
+        if not isinstance(max_connections_per_host, int) or max_connections_per_host < 1:
+            raise ConfigError(
+                f"control max_connections_per_host must be a positive integer, got {max_connections_per_host!r}"
+            )
+        self._max_per_host = max_connections_per_host
         self._on_refusal = on_refusal
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
@@ -240,6 +246,7 @@ class ZmqControlChannel:
                 on_refusal=self._count_refusal,
                 on_tick=self._links.sweep,
                 on_stopped=self._server_stopped,
+                max_connections_per_host=self._max_per_host,
             )
             server.start(zmq_address(self._bind_host, self._port), handler, ipv6=":" in self._bind_host)
             self._server, self._server_done = server, False

@@ -21,6 +21,15 @@ Refusals are counted by a closed set of reasons (:data:`REFUSAL_REASONS`), never
 - ``frame``: a connected peer sent a request that is not ``[id, payload]``; it is dropped.
 - ``revoked``: (per-node identities) a request over a connection whose node key the peer directory
   no longer lists; it is refused (a request learns so, a one-way message is dropped).
+- ``crowded``: a connection accepted while its host already holds ``max_connections_per_host``
+  connections to this port; it is shut down at once, before its handshake.
+
+Connections per host: libzmq accepts every TCP connection and keeps it until its handshake ends or
+``ZMQ_HANDSHAKE_IVL`` passes, with no cap, and its monitor does not say which connection finished
+a handshake. So the server counts connections per peer host from the monitor's ACCEPTED and
+DISCONNECTED/CLOSED events (both carry the descriptor) and shuts down (never closes: the
+descriptor stays libzmq's) a new one over the cap: a flood from one host holds at most the cap,
+whatever its rate, and other hosts' connections are not touched.
 
 The connection a request came over is named, for the handler, by the ROUTER's routing identity of
 that connection and, with CURVE, the ZAP user id this server gave its handshake (a serial number
@@ -39,6 +48,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
+import socket
 import struct
 import threading
 import time
@@ -55,7 +66,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REFUSAL_REASONS = ("credentials", "protocol", "handshake", "frame", "revoked")
+REFUSAL_REASONS = ("credentials", "protocol", "handshake", "frame", "revoked", "crowded")
+MAX_CONNECTIONS_PER_HOST = 256
 ONEWAY_ID = bytes(8)
 _STATUS_OK = b"\x00"
 _STATUS_FAILED = b"\x01"
@@ -118,6 +130,7 @@ class ControlServer:
         on_refusal: Callable[[str], None],
         on_tick: Callable[[], None],
         on_stopped: Callable[[], None],
+        max_connections_per_host: int = MAX_CONNECTIONS_PER_HOST,
     ) -> None:
         self._context = context
         self._zmq = lib
@@ -135,7 +148,19 @@ class ControlServer:
         self._handler_warning = RateLimitedWarning(log)
         self._handshakes = itertools.count(1)  # ZAP user ids: one per admitted handshake, never reused
         fail = lib.EVENT_HANDSHAKE_FAILED_NO_DETAIL | lib.EVENT_HANDSHAKE_FAILED_PROTOCOL
-        self._monitored = fail | lib.EVENT_HANDSHAKE_FAILED_AUTH
+        self._monitored = (
+            fail | lib.EVENT_HANDSHAKE_FAILED_AUTH | lib.EVENT_ACCEPTED | lib.EVENT_DISCONNECTED | lib.EVENT_CLOSED
+        )
+        self._per_host_cap = max_connections_per_host
+        self._port = 0  # ours, once bound: an accepted descriptor is counted only if it is on this port
+        self._open: dict[int, str] = {}  # descriptor -> peer host, for connections accepted and not yet gone
+        self._per_host: dict[str, int] = {}
+        self._crowd_warning = RateLimitedWarning(log)
+
+    @property
+    def connections(self) -> int:
+        """Connections accepted on our port and not yet gone (from the monitor's events)."""
+        return len(self._open)
 
     def start(self, bind_address: str, handler: ConnectionHandler, *, ipv6: bool) -> None:
         """Bind and start serving.
@@ -182,6 +207,7 @@ class ControlServer:
             monitor.setsockopt(lib.LINGER, 0)
             monitor.connect(monitor_address)
             bind_with_retry(lib, sock, bind_address, _BIND_RETRY_S, "control endpoint")
+            self._port = int(str(sock.getsockopt_string(lib.LAST_ENDPOINT)).rsplit(":", 1)[1])
         except BaseException as exc:
             for s in reversed(opened):
                 s.close(linger=0)
@@ -220,7 +246,7 @@ class ControlServer:
                 if zap is not None and zap in ready:
                     self._answer_zap(zap)
                 if monitor in ready:
-                    self._count_handshake_failures(monitor)
+                    self._on_monitor_events(monitor)
                 if sock in ready:
                     for _ in range(_BATCH):
                         if not sock.getsockopt(lib.EVENTS) & lib.POLLIN:
@@ -246,13 +272,19 @@ class ControlServer:
             reply, _ = zap_reply(zap.recv_multipart(lib.NOBLOCK), self._keyring, b"%d" % next(self._handshakes))
             zap.send_multipart(reply)  # a refusal is counted from the monitor's AUTH event
 
-    def _count_handshake_failures(self, monitor: zmq.Socket[bytes]) -> None:
+    def _on_monitor_events(self, monitor: zmq.Socket[bytes]) -> None:
         lib = self._zmq
         while monitor.getsockopt(lib.EVENTS) & lib.POLLIN:
             frames = monitor.recv_multipart(lib.NOBLOCK)
             if not frames or len(frames[0]) < _MONITOR_EVENT.size:
                 continue
-            event, _ = _MONITOR_EVENT.unpack_from(frames[0])
+            event, value = _MONITOR_EVENT.unpack_from(frames[0])
+            if event & lib.EVENT_ACCEPTED:
+                self._accepted(value)
+                continue
+            if event & (lib.EVENT_DISCONNECTED | lib.EVENT_CLOSED):
+                self._gone(value)
+                continue
             if event & lib.EVENT_HANDSHAKE_FAILED_AUTH:
                 reason = "credentials"
             elif event & lib.EVENT_HANDSHAKE_FAILED_PROTOCOL:
@@ -263,6 +295,35 @@ class ControlServer:
                 continue
             self._on_refusal(reason)
             self._refusal_warning.warn("control server %s refused a connection (%s)", self._name, reason)
+
+    def _accepted(self, fd: int) -> None:
+        """Count a new connection against its host; shut it down if the host is over the cap."""
+        self._gone(fd)  # a descriptor number libzmq reused before we saw it go
+        host, crowded = _peer_host(fd, self._port), False
+        if host is None:  # gone already, or (reused) not a connection to our port
+            return
+        if self._per_host.get(host, 0) >= self._per_host_cap:
+            crowded = _shut_down(fd)
+        if crowded:
+            self._on_refusal("crowded")
+            self._crowd_warning.warn(
+                "control server %s shut a connection down: its host holds %d connections already",
+                self._name,
+                self._per_host_cap,
+            )
+            return
+        self._open[fd] = host
+        self._per_host[host] = self._per_host.get(host, 0) + 1
+
+    def _gone(self, fd: int) -> None:
+        host = self._open.pop(fd, None)
+        if host is None:
+            return
+        left = self._per_host[host] - 1
+        if left:
+            self._per_host[host] = left
+        else:
+            del self._per_host[host]
 
     def _refuse_revoked(self, sock: zmq.Socket[bytes], identity: bytes, request_id: bytes, oneway: bool) -> None:
         self._on_refusal("revoked")
@@ -313,3 +374,35 @@ class ControlServer:
             sock.send_multipart([identity, request_id, status, reply], lib.NOBLOCK)
         except lib.Again:
             self._frame_warning.warn("control server %s dropped a reply: the peer is not reading", self._name)
+
+
+def _peer_host(fd: int, port: int) -> str | None:
+    """The peer host of descriptor ``fd`` if it is a TCP connection to our ``port``; else None."""
+    try:
+        with _borrowed(fd) as conn:
+            if conn.type != socket.SOCK_STREAM or conn.getsockname()[1] != port:
+                return None
+            return str(conn.getpeername()[0])
+    except (OSError, IndexError, TypeError):
+        return None
+
+
+def _shut_down(fd: int) -> bool:
+    """Shut the connection on ``fd`` down (libzmq sees it end and closes the descriptor itself)."""
+    try:
+        with _borrowed(fd) as conn:
+            conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        return False
+    return True
+
+
+def _borrowed(fd: int) -> socket.socket:
+    """A socket object over a duplicate of ``fd`` (its family read from the kernel): closing it leaves
+    ``fd``, which is libzmq's, open."""
+    dup = os.dup(fd)
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:  # not a socket (any more): the number was reused
+        os.close(dup)
+        raise

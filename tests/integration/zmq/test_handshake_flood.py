@@ -111,3 +111,40 @@ def test_half_open_greetings_hold_descriptors_only_for_the_handshake_interval(cl
     assert peak >= GREETINGS // 3, figures
     assert max(late) <= 5, figures
     assert restores == [True, True, True], figures
+
+
+CROWD = """
+import socket, sys, time
+held = []
+for _ in range(int(sys.argv[2])):
+    s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5, source_address=("127.0.0.3", 0))
+    s.sendall(b"\\xff" + bytes(8) + b"\\x7f\\x03")
+    held.append(s)
+print("SENT", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_one_host_holds_at_most_its_share_of_connections_however_fast_it_opens_them(channels):
+    """Issue 43: two flooders reached 4,371 descriptors within the handshake interval. One host (here
+    127.0.0.3) now holds at most ``max_connections_per_host``; another host's peer is served meanwhile."""
+    server = channels(token=TOKEN, max_connections_per_host=32, handshake_timeout_s=30.0)  # held otherwise
+    server.serve(lambda payload: b"echo:" + payload)
+    client = channels(token=TOKEN)
+    port = int(server.endpoint.rsplit(":", 1)[1])
+    assert client.request(server.endpoint, b"x", 5.0) == b"echo:x"
+    baseline = open_fds()
+    flood = subprocess.Popen(
+        [sys.executable, "-c", CROWD, str(port), "300"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert flood.stdout.readline().strip() == "SENT"
+        deadline = time.monotonic() + 5.0
+        while server.refusals.get("crowded", 0) < 300 - 32 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.refusals.get("crowded", 0) == 300 - 32
+        assert open_fds() - baseline <= 32 + 4  # the flood's share, and a few of libzmq's own
+        assert client.request(server.endpoint, b"y", 5.0) == b"echo:y"  # 127.0.0.1 is another host
+    finally:
+        flood.stdin.close()
+        stop_process(flood)
