@@ -45,6 +45,7 @@ from kvcr.adapters.local import MmapHostMemory
 from kvcr.bench.stats import Timing, markdown_table, timing
 from kvcr.domain import deadlines
 from kvcr.domain.layout import RegionDescriptor
+from kvcr.domain.transports import SHARES_MEMORY
 from kvcr.domain.units import format_byte_size
 from kvcr.runner import protocol
 from kvcr.runner.peer_client import PoolRead
@@ -76,6 +77,7 @@ class RemoteResult:
     link: str = "loopback"  # "tcp over veth (2 namespaces)" for run_remote_netns
     control_p50_ms: float = 0.0  # a bare control round trip to the source (RawControl)
     floor_vs_raw: float = 0.0  # raw / (raw + control): the best a one-round-trip restore can do
+    copy: str = ""  # shm and auto: the copy large same-host reads used here, and what it was measured against
 
     def gbps(self, ms: float) -> float:
         return self.pages * self.page_bytes / (ms / 1e3) / 1e9
@@ -308,7 +310,8 @@ def run_remote(
             try:
                 for batch in batches:
                     result = _measure(node, checking, raw, control, lease, host, scratch, keys[:batch], endpoint, reps)
-                    results.append(dataclasses.replace(result, transport=transport, link=link))
+                    copy = _copy_in_use() if transport in SHARES_MEMORY else ""
+                    results.append(dataclasses.replace(result, transport=transport, link=link, copy=copy))
             finally:
                 control.close()
                 raw.close()
@@ -559,6 +562,20 @@ def _netns_child(job: dict[str, Any]) -> list[dict[str, object]]:
     ]
 
 
+def _copy_in_use() -> str:
+    """Which copy this process's same-host reads of 64 MiB or more use, and the measurement behind it."""
+    from kvcr.adapters.shm import copies
+
+    found = copies.measured(wait_s=30.0)
+    if found is None:
+        return "memmove (the streaming copy was not built)"
+    ratio = found.stream_gbps / found.memmove_gbps
+    return (
+        f"{found.strategy} (measured here over {found.nbytes >> 20} MiB: memmove {found.memmove_gbps:.1f} GB/s, "
+        f"streaming {found.stream_gbps:.1f} GB/s, {ratio:.2f}x)"
+    )
+
+
 def remote_table(results: list[RemoteResult]) -> str:
     rows = [
         [
@@ -587,7 +604,11 @@ def remote_table(results: list[RemoteResult]) -> str:
         "restore with verify_bytes ms (x without)",
         "bare control round trip ms / one-round-trip floor vs raw",
     ]
-    return markdown_table(header, rows)
+    table = markdown_table(header, rows)
+    copies = sorted({r.copy for r in results if r.copy})
+    if copies:
+        table += "\n\nSame-host reads of 64 MiB or more copied with " + "; ".join(copies) + "."
+    return table
 
 
 def as_dict(result: RemoteResult) -> dict[str, object]:

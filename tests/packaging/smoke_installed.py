@@ -34,10 +34,10 @@ def installed_from_the_wheel() -> str:
     dist = md.distribution("kvcr-runner")
     direct_url = dist.read_text("direct_url.json")
     assert direct_url is None or '"editable": true' not in direct_url
-    from kvcr.adapters.shm import dataplane
+    from kvcr.adapters.shm import copies, dataplane
 
     # built where a C compiler is (CI's machines): the optional extensions must be in the wheel
-    assert dataplane._stream_copy is not None, "the wheel lacks kvcr.adapters.shm._stream (streaming copies)"
+    assert copies.stream_copy is not None, "the wheel lacks kvcr.adapters.shm._stream (streaming copies)"
     assert dataplane._board_reader is not None, "the wheel lacks kvcr.adapters.shm._board (slot-board reads)"
     return f"kvcr-runner {dist.version} from {where.parent}, with its streaming-copy and slot-board extensions"
 

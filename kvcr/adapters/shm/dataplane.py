@@ -19,7 +19,7 @@ How the port maps onto shared memory:
   can land after it returns, so peers have no late writes and ``cancel`` has nothing to stop. A
   peer whose socket has closed (closed or dead) fails its reads. A read of at least
   ``STREAM_MIN_BYTES`` copies with streaming stores (``_stream``, a small C extension) when that
-  was built, else with memmove.
+  was built and measured faster than memmove on this host (``copies.py``), else with memmove.
 - ``disconnect`` unmaps a peer once no read of it is copying.
 - Slot boards (``SharedBoards``): a source shares each pool's board as one more exposed region;
   a target looks keys up in a peer's mapped board, and ``board_read`` copies what it found and
@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from kvcr.adapters.shm import wire
+from kvcr.adapters.shm import copies, wire
 from kvcr.adapters.shm.broker import Broker
 from kvcr.adapters.shm.host import HostIdentity, this_host
 from kvcr.adapters.shm.wire import Description, Grant, RegionWire
@@ -71,15 +71,6 @@ _PROT_READ, _MAP_SHARED = 0x1, 0x01
 _memmove = ctypes.memmove
 
 
-def _load_stream_copy() -> Callable[[int, int, int], object] | None:
-    """The streaming copy, built from ``_stream.c`` at install when a C compiler was there; else None."""
-    try:
-        from kvcr.adapters.shm._stream import copy
-    except ImportError:  # the optional extension was not built: memmove does every copy
-        return None
-    return copy
-
-
 def _load_board() -> ModuleType | None:
     """The board reader, built from ``_board.c`` at install when a C compiler was there; else None."""
     try:
@@ -89,10 +80,7 @@ def _load_board() -> ModuleType | None:
     return _board
 
 
-_stream_copy = _load_stream_copy()
 _board_reader = _load_board()
-STREAM_MIN_BYTES = 64 << 20
-"""A read copying at least this much streams its copies past the cache (see ``_copier``)."""
 
 
 def _digest(data: bytes) -> bytes:
@@ -142,6 +130,7 @@ class ShmDataPlane:
         self._name = name
         self._memory = memory
         self._host = host or this_host()
+        copies.calibrate()  # once per process, in the background: which copy pays for large reads here
         self._incarnation = os.urandom(16)
         self._secret = os.urandom(wire.SECRET_BYTES)
         self._lock = threading.Lock()
@@ -545,17 +534,8 @@ class ShmDataPlane:
 
 
 def _copier(nbytes: int) -> Callable[[int, int, int], object]:
-    """How a read of ``nbytes`` copies: streaming stores from ``STREAM_MIN_BYTES`` on, else memmove.
-
-    A large read's destination is host pages the GPU takes next by DMA; caching them only evicts
-    what the engine uses. glibc streams a single copy only above a threshold it derives from the
-    cache size the CPU reports (181 MiB on the CI VM, which reports a 480 MiB L3), so a 256 MiB read
-    of two 128 MiB runs went through the cache at 6 GB/s against 9-10 GB/s streamed. Below 64 MiB
-    (measured there: 4-32 MiB copies 10-15 % faster through the cache) memmove stays.
-    """
-    if _stream_copy is not None and nbytes >= STREAM_MIN_BYTES:
-        return _stream_copy
-    return _memmove
+    """How a read of ``nbytes`` copies (``copies.copier``: streaming only where it pays on this host)."""
+    return copies.copier(nbytes)
 
 
 def _await_reply(sock: socket.socket, timeout_s: float) -> tuple[bytes | None, int]:

@@ -12,8 +12,7 @@ import time
 import pytest
 
 from kvcr.adapters.local import MmapHostMemory
-from kvcr.adapters.shm import ShmDataPlane
-from kvcr.adapters.shm import dataplane as shm_dataplane
+from kvcr.adapters.shm import ShmDataPlane, copies
 from kvcr.container import build_container
 from kvcr.domain.deadlines import Timing
 from kvcr.domain.outcomes import Outcome
@@ -156,7 +155,8 @@ def test_a_slot_reused_between_the_lookup_and_the_copy_is_a_miss_not_wrong_bytes
 
 
 def test_a_large_board_read_streams_its_copies_and_still_checks_the_slots(nodes, monkeypatch):
-    monkeypatch.setattr(shm_dataplane, "STREAM_MIN_BYTES", 0)  # every read is "large" (64 MiB+ in service)
+    monkeypatch.setattr(copies, "STREAM_MIN_BYTES", 0)  # every read is "large" (64 MiB+ in service)
+    monkeypatch.setattr(copies._choice, "result", copies.Measurement(1 << 20, 1.0, 2.0))  # and streaming pays
     a, b = nodes("A", slots=8), nodes("B")
     keys = bench_keys(6)
     a.seed(keys)

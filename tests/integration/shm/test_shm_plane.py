@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from kvcr.adapters.local import MmapHostMemory
-from kvcr.adapters.shm import SameHostFirst, ShmDataPlane, dataplane
+from kvcr.adapters.shm import SameHostFirst, ShmDataPlane, copies, dataplane
 from kvcr.adapters.shm.broker import Broker
 from kvcr.adapters.shm.dataplane import SIDE_SPIN_S
 from kvcr.adapters.shm.host import HostIdentity, this_host
@@ -474,19 +474,22 @@ def test_a_frozen_source_stalls_no_read_and_a_killed_one_fails_them_at_once(memo
         source.close()
 
 
-def test_a_read_of_stream_min_bytes_streams_past_the_cache_and_a_smaller_one_does_not(memory, planes, monkeypatch):
+def test_where_streaming_pays_a_read_of_stream_min_bytes_streams_and_a_smaller_one_does_not(
+    memory, planes, monkeypatch
+):
     """A large read goes through the streaming copy (one call per run), a small one through memmove;
-    both land the source's exact bytes."""
-    piece, count = 1 << 20, dataplane.STREAM_MIN_BYTES >> 20
+    both land the source's exact bytes. (Pinned: this host's own measurement may say memmove.)"""
+    piece, count = 1 << 20, copies.STREAM_MIN_BYTES >> 20
     streamed = []
-    real = dataplane._stream_copy
+    real = copies.stream_copy
     assert real is not None, "the _stream extension was not built (a C compiler is needed at install)"
 
     def counting(dst, src, nbytes):
         streamed.append(nbytes)
         return real(dst, src, nbytes)
 
-    monkeypatch.setattr(dataplane, "_stream_copy", counting)
+    monkeypatch.setattr(copies, "stream_copy", counting)
+    monkeypatch.setattr(copies._choice, "result", copies.Measurement(1 << 20, 1.0, 2.0))
     source = planes(ShmDataPlane("source", memory))
     target = planes(ShmDataPlane("target", memory))
     src_alloc = memory.allocate(piece * count, "big-src")
@@ -567,3 +570,19 @@ def test_a_side_request_to_a_stalled_source_times_out_and_to_a_closed_one_fails(
     with pytest.raises(PeerUnavailable):
         for _ in range(3):  # a late reply may still be queued; then the closed link
             target.side_request("source", b"ping", 1.0)
+
+
+def test_large_reads_use_the_copy_measured_faster_on_this_host(monkeypatch):
+    """Issue 44: streaming stores tuned on one CPU ran at a third of memmove on another; the host decides."""
+    found = copies.measured(wait_s=30.0)
+    assert found is not None and found.memmove_gbps > 0 and found.stream_gbps > 0
+    big = copies.STREAM_MIN_BYTES
+    assert copies.copier(big) is (
+        copies.stream_copy if found.stream_gbps >= 1.1 * found.memmove_gbps else copies.memmove
+    )
+    for memmove_gbps, stream_gbps, chosen in ((10.0, 3.0, copies.memmove), (6.0, 9.5, copies.stream_copy)):
+        monkeypatch.setattr(copies._choice, "result", copies.Measurement(1 << 20, memmove_gbps, stream_gbps))
+        assert copies.copier(big) is chosen
+        assert copies.copier(big - 1) is copies.memmove  # below the threshold: memmove, whatever was measured
+    monkeypatch.setattr(copies._choice, "result", None)  # not measured yet: memmove
+    assert copies.copier(big) is copies.memmove
