@@ -80,6 +80,9 @@ class Result(str, enum.Enum):
     MISS = "miss"
     FAILED = "failed"
     UNCERTAIN = "uncertain"  # a transfer that could not be confirmed stopped
+    # (served only) pages a same-host peer reports it took off the slot board: never leased, so the
+    # source cannot check them; kept apart from ``ok``, which counts only what it granted
+    REPORTED = "reported"
 
 
 class FailureReason(str, enum.Enum):
@@ -261,15 +264,16 @@ def _by_path(outcomes: Mapping[Path, tuple[Result, ...]]) -> frozenset[tuple[str
     return frozenset((path.value, outcome.value) for path, results in outcomes.items() for outcome in results)
 
 
-_OK, _MISS, _FAILED, _UNCERTAIN = Result.OK, Result.MISS, Result.FAILED, Result.UNCERTAIN
+_OK, _MISS, _FAILED, _UNCERTAIN, _REPORTED = Result.OK, Result.MISS, Result.FAILED, Result.UNCERTAIN, Result.REPORTED
 # What each path can report: a backup or local copy either happens, is not needed/possible, or
-# fails; only a peer's transfer can end unconfirmed; a source counts only pages it granted.
+# fails; only a peer's transfer can end unconfirmed; a source counts pages it granted, and apart
+# from them the board reads its same-host peers report.
 _PAGE_OUTCOMES = _by_path(
     {
         Path.BACKUP: (_OK, _MISS, _FAILED),
         Path.LOCAL_RESTORE: (_OK, _MISS, _FAILED),
         Path.REMOTE_RESTORE: (_OK, _MISS, _FAILED, _UNCERTAIN),
-        Path.SERVED: (_OK,),
+        Path.SERVED: (_OK, _REPORTED),
     }
 )
 _BYTE_OUTCOMES = frozenset(combo for combo in _PAGE_OUTCOMES if combo[1] != Result.MISS.value)
@@ -286,7 +290,7 @@ SPECS: tuple[MetricSpec, ...] = (
         MetricName.BYTES,
         Kind.COUNTER,
         "Bytes of the pages counted in kvcr_pages_total (a miss moves nothing).",
-        (_PATHS, ("outcome", _values(Result, Result.OK, Result.FAILED, Result.UNCERTAIN))),
+        (_PATHS, ("outcome", _values(Result, Result.OK, Result.FAILED, Result.UNCERTAIN, Result.REPORTED))),
         combos=_BYTE_OUTCOMES,
     ),
     MetricSpec(

@@ -94,6 +94,11 @@ class TierAccounting:
         self.metrics.increment(M.PAGES, pages, {"path": Path.SERVED, "outcome": Result.OK})
         self.metrics.increment(M.BYTES, nbytes, {"path": Path.SERVED, "outcome": Result.OK})
 
+    def reported(self, pages: int, nbytes: int) -> None:
+        """Pages (and their bytes) a same-host peer says it took off a slot board (unverifiable: kept apart)."""
+        self.metrics.increment(M.PAGES, pages, {"path": Path.SERVED, "outcome": Result.REPORTED})
+        self.metrics.increment(M.BYTES, nbytes, {"path": Path.SERVED, "outcome": Result.REPORTED})
+
     def failure(self, path: Path, reason: FailureReason) -> None:
         self.metrics.increment(M.FAILURES, 1, {"path": path, "reason": reason})
 

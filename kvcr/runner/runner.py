@@ -191,10 +191,11 @@ class KvcrRunner:
         return regions
 
     def count_board_reads(self, pool: str, pages: int) -> None:
-        """A same-host peer took ``pages`` of ``pool`` from its slot board: served, as if leased."""
+        """A same-host peer says it took ``pages`` of ``pool`` from its slot board: counted as reported,
+        apart from what was leased (nothing pinned them, so nothing here can check the report)."""
         state = self._pools.get(pool)
         if state is not None and 0 < pages <= state.index.slots:
-            self._account.served(pages, pages * state.spec.page_bytes)
+            self._account.reported(pages, pages * state.spec.page_bytes)
 
     def pool_host_regions(self, pool: str) -> tuple[RegionDescriptor, ...]:
         """The registered host regions of ``pool`` (LayoutError when none)."""
