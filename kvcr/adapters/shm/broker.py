@@ -12,7 +12,8 @@ Capacity: connections still handshaking (unauthenticated) and granted ones are c
 so connections without the secret never take a granted link's place: past ``max_pending`` the
 oldest handshake is dropped (a target sends its request as it connects, and the request is read
 as the connection is accepted, so it is rarely pending at all), and past ``max_connections``
-granted links (or ``max_per_node`` of one named owner) a new grant is refused. A reply that would
+granted links (or ``max_per_node`` of one named owner, or ``max_per_process`` of one process: with
+a cluster token no node is named) a new grant is refused. A reply that would
 block (a peer that does not read its replies) drops that link at once: no peer can stall the
 broker's one thread.
 
@@ -63,6 +64,7 @@ class Broker:
         max_connections: int = 256,
         max_pending: int = 32,
         max_per_node: int = 16,
+        max_per_process: int = 16,
         handshake_s: float = 1.0,
     ) -> None:
         self._secret = secret
@@ -70,6 +72,7 @@ class Broker:
         self._max = max_connections
         self._max_pending = max_pending
         self._max_per_node = max_per_node
+        self._max_per_process = max_per_process
         self._admitted: Callable[[bytes], bool] = lambda node: True
         self._next_recheck = 0.0
         self._handshake_s = handshake_s
@@ -85,6 +88,7 @@ class Broker:
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._pending: dict[socket.socket, float] = {}  # connection -> handshake deadline
         self._granted: dict[socket.socket, tuple[bytes, bytes]] = {}  # connection -> (owner, its id for the handler)
+        self._pids: dict[socket.socket, int] = {}  # granted connection -> the process at its other end
         self._handler: ConnectionHandler | None = None
         self.side_frames = 0  # frames answered over side links
         self._closed = threading.Event()
@@ -202,7 +206,8 @@ class Broker:
         except OSError:
             data = b""
         owner = self._authorised(data)
-        if owner is None or not self._room_for(owner):
+        pid = _peer_pid(conn)
+        if owner is None or not self._room_for(owner, pid):
             self._drop(conn, refused=True)
             return
         try:
@@ -214,10 +219,14 @@ class Broker:
             return
         del self._pending[conn]
         self._granted[conn] = (owner, with_node(owner, b"shm-side:" + os.urandom(16)))
+        self._pids[conn] = pid
 
-    def _room_for(self, owner: bytes) -> bool:
+    def _room_for(self, owner: bytes, pid: int) -> bool:
+        """Whether one more link fits: in all, for its node (if named), and for its process."""
         if len(self._granted) >= self._max:
             return False
+        if sum(p == pid for p in self._pids.values()) >= self._max_per_process:
+            return False  # one process, whatever tickets it holds (a cluster token names no node)
         return not owner or sum(o == owner for o, _ in self._granted.values()) < self._max_per_node
 
     def _side_frame(self, conn: socket.socket) -> None:
@@ -259,15 +268,24 @@ class Broker:
             self.refused += 1
         self._pending.pop(conn, None)
         self._granted.pop(conn, None)
+        self._pids.pop(conn, None)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn)
         conn.close()
 
 
-def _peer_uid(conn: socket.socket) -> int:
-    """The uid of the process at the other end (-1 if the kernel cannot say)."""
+def _credentials(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end, as the kernel recorded them at connect ((-1, -1): unknown)."""
     try:
-        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     except OSError:
-        return -1
-    return int(uid)
+        return -1, -1
+    return int(pid), int(uid)
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    return _credentials(conn)[1]
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    return _credentials(conn)[0]

@@ -236,7 +236,7 @@ def test_connections_without_the_secret_never_keep_a_target_from_its_grant():
 
 def test_a_peer_that_does_not_read_its_replies_loses_its_link_and_stalls_nobody():
     """40 links that never read replies stalled the broker thread about 30 s."""
-    broker, secret, memfd = _broker()
+    broker, secret, memfd = _broker(max_per_process=64)  # all 41 links are this process's
     broker.serve(lambda frame, connection: bytes(SIDE_FRAME_BYTES))  # every reply as large as a frame may be
     deaf = [_granted_link(broker, secret) for _ in range(40)]
     honest = _granted_link(broker, secret)
@@ -304,9 +304,23 @@ def test_a_link_speaks_as_its_tickets_owner_and_closes_within_the_recheck_once_t
         os.close(memfd)
 
 
+def test_one_process_holds_at_most_max_per_node_links_whatever_tickets_it_holds():
+    """A token holder kept 255 granted links: with a cluster token no node is named, so the process is."""
+    broker, secret, memfd = _broker(max_per_process=3)
+    held = [_granted_link(broker, secret) for _ in range(3)]
+    try:
+        assert _ask(broker.address, _request(secret)) == (b"", 0)
+        assert _ask(broker.address, _request(secret, b"node-x")) == (b"", 0)  # another ticket: the same process
+    finally:
+        for sock in held:
+            sock.close()
+        broker.close()
+        os.close(memfd)
+
+
 def test_one_node_holds_at_most_max_per_node_links():
     """One listed node over 4 side links pinned the whole lease cap: its links are few, and count as it."""
-    broker, secret, memfd = _broker(max_per_node=2)
+    broker, secret, memfd = _broker(max_per_node=2, max_per_process=8)
     try:
         held = [_granted_link(broker, secret, b"node-a") for _ in range(2)]
         assert _ask(broker.address, _request(secret, b"node-a")) == (b"", 0)
