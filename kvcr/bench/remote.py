@@ -551,6 +551,36 @@ def run_remote_netns(sizes: list[int], batches: list[int], reps: int) -> list[Re
     return [RemoteResult(**row) for row in rows]
 
 
+def run_remote_apart(
+    page_bytes: int, batches: list[int], reps: int, port: int | None, transport: str
+) -> list[RemoteResult]:
+    """``run_remote`` in a process of its own. The ucxx plane must be made before NIXL loads in a
+    process (docs/ucx.md): the second page size's target, made after the first size's raw NIXL
+    reader, could not make its UCX registration cache, and the run stopped there.
+
+    Raises:
+        OSError: the measuring process failed (its last lines say why).
+    """
+    job = {"kind": "loopback", "page_bytes": page_bytes, "batches": batches, "reps": reps, "port": port}
+    job["transport"] = transport
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcr.bench.remote", json.dumps(job)], capture_output=True, text=True, timeout=3600
+    )
+    if done.returncode != 0:
+        raise OSError(f"the measuring process failed: {done.stderr.strip()[-800:]}")
+    return [RemoteResult(**row) for row in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def _child(job: dict[str, Any]) -> list[dict[str, object]]:
+    """The measuring process of ``run_remote_apart`` (kind ``loopback``) or ``run_remote_netns``."""
+    if job.get("kind") == "loopback":
+        results = run_remote(
+            job["page_bytes"], job["batches"], job["reps"], port=job["port"], transport=job["transport"]
+        )
+        return [as_dict(r) for r in results]
+    return _netns_child(job)
+
+
 def _netns_child(job: dict[str, Any]) -> list[dict[str, object]]:
     """In the target's namespace: every page size of ``run_remote_netns`` (source in the other one)."""
     place = job["place"]
@@ -615,5 +645,5 @@ def as_dict(result: RemoteResult) -> dict[str, object]:
     return asdict(result)
 
 
-if __name__ == "__main__":  # the measuring process of run_remote_netns (one JSON argument)
-    print(json.dumps(_netns_child(json.loads(sys.argv[1]))))
+if __name__ == "__main__":  # the measuring process of run_remote_apart or run_remote_netns (one JSON argument)
+    print(json.dumps(_child(json.loads(sys.argv[1]))))

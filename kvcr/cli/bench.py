@@ -78,7 +78,7 @@ def _measure_sglang(args: argparse.Namespace, progress: _Progress) -> tuple[list
 
 
 def _measure_remote(args: argparse.Namespace, progress: _Progress) -> list[Any]:
-    from kvcr.bench.remote import run_remote, run_remote_netns
+    from kvcr.bench.remote import run_remote, run_remote_apart, run_remote_netns
 
     batches = _batches(args.batches)
     if getattr(args, "netns", False):
@@ -96,10 +96,13 @@ def _measure_remote(args: argparse.Namespace, progress: _Progress) -> list[Any]:
     for i, size in enumerate(_sizes(args.page_sizes)):
         for j, transport in enumerate(transports):
             port = args.port + 10 * (i * len(transports) + j) if args.port else None
+            # ucxx must load before NIXL in a process: each ucx measurement gets a process of its own
+            measure = partial(run_remote_apart, size, batches, args.reps, port, transport)
+            if transport != "ucx":
+                measure = partial(run_remote, size, batches, args.reps, port=port, transport=transport)
             results.extend(
                 progress.step(
-                    f"remote: {format_byte_size(size)} pages over {transport}, batches {args.batches}",
-                    partial(run_remote, size, batches, args.reps, port=port, transport=transport),
+                    f"remote: {format_byte_size(size)} pages over {transport}, batches {args.batches}", measure
                 )
             )
     return results

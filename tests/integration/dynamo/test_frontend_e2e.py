@@ -113,7 +113,9 @@ def test_the_router_hints_a_to_b_and_b_reads_as_pages(cluster):
     # Each worker's --metrics-port shows it: B restored the pages from a peer, A served them.
     pages_b, pages_a = scrape(w["b"]), scrape(w["a"])
     assert pages_b[("kvcr_pages_total", (("outcome", "ok"), ("path", "remote_restore")))] >= PREFIX_PAGES
-    assert pages_a[("kvcr_pages_total", (("outcome", "ok"), ("path", "served")))] >= PREFIX_PAGES
+    # Leased (ok), or taken off A's slot board by B on this host (reported by B: A cannot check it).
+    served = sum(pages_a.get(("kvcr_pages_total", (("outcome", o), ("path", "served"))), 0) for o in ("ok", "reported"))
+    assert served >= PREFIX_PAGES
     # The deployment's default transport: auto (one host, so B read A's arena over shm).
     assert pages_a[("kvcr_build_info", (("transport", "auto"), ("version", kvcr.__version__)))] == 1
     assert not [name for name, _ in pages_a if name.endswith("_created")]
