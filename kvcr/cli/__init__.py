@@ -44,6 +44,7 @@ def _soak(args: argparse.Namespace) -> int:
         operation_timeout_ms=args.operation_timeout_ms,
         tls=args.tls,
         report_every_s=args.report_every_s,
+        transport=args.transport,
     )
     # SGLang warns on import that its GPU-only quantizers are unusable on a CPU; not news here.
     warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
@@ -266,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tls", choices=("default", "tcp"), default="default", help="UCX transports: UCX's choice, or tcp only"
     )
     soak.add_argument("--report-every-s", type=float, default=10.0, help="seconds between progress lines")
+    soak.add_argument(
+        "--transport",
+        default="auto",
+        help="kvcr's data plane on every replica: auto (the default: shm between these same-host replicas), "
+        "nixl, ucx or shm",
+    )
     soak.add_argument("--metrics-port", type=_port, help="serve the soak's figures on this /metrics port (loopback)")
     soak.add_argument("--json", help="also write the full report here")
     soak.set_defaults(func=_soak)

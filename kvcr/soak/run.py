@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcr.domain.errors import ConfigError
+from kvcr.domain.transports import TRANSPORT_NAMES
 from kvcr.soak.processes import Replica, ReplicaError
 from kvcr.soak.replica import LAYER_PAGE_BYTES, ReplicaOptions
 from kvcr.testing.ports import free_port_block
@@ -45,6 +46,7 @@ class SoakOptions:
     operation_timeout_ms: int = 2000
     tls: str = "default"
     report_every_s: float = 10.0
+    transport: str = "auto"  # kvcr's default: four replicas on one host read each other over shm
 
     def __post_init__(self) -> None:
         checks = [
@@ -68,6 +70,10 @@ class SoakOptions:
                 f"--operation-timeout-ms must be positive, got {self.operation_timeout_ms}",
             ),
             (self.tls in ("default", "tcp"), f"--tls must be default or tcp, got {self.tls!r}"),
+            (
+                self.transport in TRANSPORT_NAMES,
+                f"--transport must be one of {', '.join(TRANSPORT_NAMES)}, got {self.transport!r}",
+            ),
             (self.report_every_s > 0, f"--report-every-s must be positive, got {self.report_every_s:g}"),
         ]
         for ok, message in checks:
@@ -287,11 +293,12 @@ def _replicas(options: SoakOptions, progress: Callable[[str], None]) -> Iterator
     settings = {
         "operation_timeout_ms": options.operation_timeout_ms,
         "abandon_timeout_ms": 2 * options.operation_timeout_ms,
+        "transport": options.transport,
     }
     made: list[Replica] = []
     try:
         port = free_port_block(options.replicas)
-        progress(f"starting {options.replicas} replicas (SGLang host pools, kvcr over NIXL) ...")
+        progress(f"starting {options.replicas} replicas (SGLang host pools, kvcr over {options.transport}) ...")
         for i in range(options.replicas):
             made.append(
                 Replica(

@@ -59,6 +59,7 @@ def test_a_short_soak_of_four_replicas_counts_no_wrong_bytes_hangs_exceptions_or
     assert proc.returncode == 0, (stdout.decode()[-3000:], stderr.decode()[-3000:])
     assert "kvcr_soak_wrong_bytes_total" in metrics and "kvcr_soak_rss_bytes" in metrics
     report = json.loads(out.read_text())
+    assert report["options"]["transport"] == "auto"  # kvcr's default: these same-host replicas read over shm
     assert report["ok"] and report["wrong_bytes"] == 0 and report["hangs"] == 0 and report["exceptions"] == 0
     assert report["leaks"] == dict.fromkeys(report["leaks"], 0)
     assert all(count > 100 for count in report["operations"].values()), report["operations"]

@@ -49,6 +49,7 @@ def test_a_clean_run_is_ok_and_anything_wrong_is_not():
         (["--page-kib", "100"], "--page-kib must be a positive multiple of 256"),
         (["--prompt-pages", "80", "--host-pages", "100"], "--host-pages (100) must hold two prompts"),
         (["--remote-share", "2"], "--remote-share must be in [0, 1]"),
+        (["--transport", "rdma"], "--transport must be one of"),
     ],
 )
 def test_bad_soak_options_are_one_line_naming_the_option(capsys, argv, says):
