@@ -41,7 +41,7 @@ from kvcr.domain.pools import PoolSpec
 from kvcr.ports.clock import Clock
 from kvcr.ports.control import ControlChannel
 from kvcr.ports.dataplane import DataPlane, PeerInfo, SideChannel
-from kvcr.ports.errors import PeerRefused, TransportError
+from kvcr.ports.errors import PeerRefused, PeerUnavailable, TransportError
 from kvcr.ports.metric_catalogue import FailureReason, Path, Result
 from kvcr.ports.metric_catalogue import MetricName as M
 from kvcr.ports.metrics import Metrics
@@ -340,7 +340,10 @@ class SourceLinks:
     ) -> object:
         """One round trip, bounded by the control deadline; None (peer marked down) on failure.
 
-        A LEASE under ``link``'s side session goes over its side link."""
+        A LEASE under ``link``'s side session goes over its side link. A side link found closed
+        (its source closed or died) sends the LEASE over the control channel instead: a source
+        restarted at the endpoint answers that it does not know the session (the caller says HELLO
+        again, at once), and a dead one fails as over the control channel."""
         timeout = min(self._timing.control_s, deadline - self._clock.now())
         if timeout <= 0:
             return None
@@ -349,7 +352,13 @@ class SourceLinks:
             frame = None
             side = link is not None and isinstance(request, Lease) and request.session == link.side_session
             if side and link is not None and link.side_session and self._side is not None:
-                frame = self._side.side_request(link.peer.name, payload, timeout)
+                try:
+                    frame = self._side.side_request(link.peer.name, payload, timeout)
+                except PeerUnavailable as exc:
+                    log.info("kvcr: the side link to %s is closed (%s); asking over the control channel", endpoint, exc)
+                    timeout = min(self._timing.control_s, deadline - self._clock.now())
+                    if timeout <= 0:
+                        return None
             if frame is None:
                 frame = self._control.request(endpoint, payload, timeout)
             reply = protocol.decode(frame)

@@ -499,3 +499,20 @@ def test_one_nodes_side_links_share_its_lease_quota_with_each_other(sources, tmp
             plane.close()
         channel.close()
         memory.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "auto"])
+def test_a_same_host_source_restarted_at_its_port_is_read_at_once(sources, target, transport):
+    """Issue 44: over shm the first call after a restart failed on the old side link and skipped the
+    new source for peer_retry_ms; over NIXL the new process already answered at once."""
+    source = sources(8, transport=transport)
+    node, host = target(transport=transport, pages=8)
+    reads = [PoolRead("kv", source.keys, list(range(8)))]
+    assert outcomes(node.client.restore(source.endpoint, reads)) == [Outcome.RESTORED] * 8
+    source.kill()
+    reborn = sources(8, transport=transport, port=source.port, extra=("--impostor",))  # other bytes, same keys
+    host.zero()
+    assert outcomes(node.client.restore(reborn.endpoint, reads)) == [Outcome.RESTORED] * 8
+    for slot, key in enumerate(reborn.keys):
+        assert host.read(slot) == page_pattern(key + "impostor", PAGE)  # the new process's bytes
+    assert node.client.quarantined == 0
