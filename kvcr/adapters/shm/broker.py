@@ -2,20 +2,18 @@
 
 A peer that connects must run as our uid (``SO_PEERCRED``, checked as it is accepted: another
 uid's connection is closed at once and never held) and send, within ``handshake_s``, the ticket
-from our description (which only authenticated peers receive, each its own: ``wire.make_ticket``),
-whose owner we still admit; it then gets the grant and the
-descriptors with it (SCM_RIGHTS), and keeps the connection open: our end closing (at ``close``,
-or because this process died) is how the peer learns that we are gone. Anything else is closed
-without a byte back.
+from our description (which only authenticated peers receive, each its own: ``wire.make_ticket``)
+of an owner we still admit; it then gets the grant and the descriptors with it (SCM_RIGHTS), and
+keeps the connection open: our end closing (at ``close``, or because this process died) is how the
+peer learns that we are gone. Anything else is closed without a byte back.
 
 Capacity: connections still handshaking (unauthenticated) and granted ones are capped apart,
 so connections without the secret never take a granted link's place: past ``max_pending`` the
 oldest handshake is dropped (a target sends its request as it connects, and the request is read
 as the connection is accepted, so it is rarely pending at all), and past ``max_connections``
 granted links (or ``max_per_node`` of one named owner, or ``max_per_process`` of one process: with
-a cluster token no node is named) a new grant is refused. A reply that would
-block (a peer that does not read its replies) drops that link at once: no peer can stall the
-broker's one thread.
+a cluster token no node is named) a new grant is refused. A reply that would block (a peer that
+does not read its replies) drops that link at once: no peer can stall the broker's one thread.
 
 Owners: each granted link is bound to its ticket's owner, and frames over it reach the handler
 as that node's (``with_node``). ``admit`` installs the control channel's view of who is still
@@ -23,9 +21,9 @@ admitted: a frame from an owner it refuses drops its link, and while links of na
 open the broker looks at all of them every ``SIDE_RECHECK_S``, so a revoked node's links close
 even when they are silent.
 
-Once granted, the connection is also a *side link*: each frame the
-peer sends is answered by ``serve``'s handler, with this connection's own id (random, never
-reused) as the connection the frame came over. One thread serves every connection from a
+Once granted, the connection is also a *side link*: each frame the peer sends is answered by
+``serve``'s handler, with this connection's own id (random, never reused) as the connection the
+frame came over. One thread serves every connection from a
 selector, blocked when nothing happens (no idle cost).
 """
 

@@ -299,11 +299,18 @@ class ControlServer:
     def _accepted(self, fd: int) -> None:
         """Count a new connection against its host; shut it down if the host is over the cap."""
         self._gone(fd)  # a descriptor number libzmq reused before we saw it go
-        host, crowded = _peer_host(fd, self._port), False
-        if host is None:  # gone already, or (reused) not a connection to our port
+        try:
+            # One duplicate for the check and the shutdown: it holds the very socket checked, even if
+            # libzmq closes ``fd`` meanwhile and the number is reused.
+            with _borrowed(fd) as conn:
+                host = _peer_host(conn, self._port)
+                if host is None:  # gone already, or (reused) not a connection to our port
+                    return
+                crowded = self._per_host.get(host, 0) >= self._per_host_cap
+                if crowded:
+                    conn.shutdown(socket.SHUT_RDWR)  # libzmq sees it end and closes the descriptor itself
+        except OSError:
             return
-        if self._per_host.get(host, 0) >= self._per_host_cap:
-            crowded = _shut_down(fd)
         if crowded:
             self._on_refusal("crowded")
             self._crowd_warning.warn(
@@ -376,25 +383,13 @@ class ControlServer:
             self._frame_warning.warn("control server %s dropped a reply: the peer is not reading", self._name)
 
 
-def _peer_host(fd: int, port: int) -> str | None:
-    """The peer host of descriptor ``fd`` if it is a TCP connection to our ``port``; else None."""
-    try:
-        with _borrowed(fd) as conn:
-            if conn.type != socket.SOCK_STREAM or conn.getsockname()[1] != port:
-                return None
-            return str(conn.getpeername()[0])
-    except (OSError, IndexError, TypeError):
+def _peer_host(conn: socket.socket, port: int) -> str | None:
+    """The peer host of ``conn`` if it is a TCP connection to our ``port``; else None."""
+    if conn.family not in (socket.AF_INET, socket.AF_INET6) or conn.type != socket.SOCK_STREAM:
         return None
-
-
-def _shut_down(fd: int) -> bool:
-    """Shut the connection on ``fd`` down (libzmq sees it end and closes the descriptor itself)."""
-    try:
-        with _borrowed(fd) as conn:
-            conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        return False
-    return True
+    if conn.getsockname()[1] != port:
+        return None
+    return str(conn.getpeername()[0])
 
 
 def _borrowed(fd: int) -> socket.socket:
