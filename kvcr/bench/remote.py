@@ -538,17 +538,7 @@ def run_remote_netns(sizes: list[int], batches: list[int], reps: int) -> list[Re
         )
         job = {"sizes": sizes, "batches": batches, "reps": reps, "place": dataclasses.asdict(place)}
         env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES=hosts.dev_b)
-        done = subprocess.run(
-            [*hosts.exec_prefix(hosts.b), sys.executable, "-m", "kvcr.bench.remote", json.dumps(job)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=3600,
-        )
-        if done.returncode != 0:
-            raise OSError(f"the measuring process in namespace {hosts.b} failed: {done.stderr.strip()[-800:]}")
-        rows = json.loads(done.stdout.strip().splitlines()[-1])
-    return [RemoteResult(**row) for row in rows]
+        return _measured_apart(job, prefix=hosts.exec_prefix(hosts.b), env=env, where=f" in namespace {hosts.b}")
 
 
 def run_remote_apart(
@@ -562,12 +552,26 @@ def run_remote_apart(
         OSError: the measuring process failed (its last lines say why).
     """
     job = {"kind": "loopback", "page_bytes": page_bytes, "batches": batches, "reps": reps, "port": port}
-    job["transport"] = transport
+    return _measured_apart({**job, "transport": transport})
+
+
+def _measured_apart(
+    job: dict[str, Any], *, prefix: Sequence[str] = (), env: dict[str, str] | None = None, where: str = ""
+) -> list[RemoteResult]:
+    """The results of ``python -m kvcr.bench.remote <job>`` (behind ``prefix``), its last stdout line.
+
+    Raises:
+        OSError: the measuring process failed (its last lines say why).
+    """
     done = subprocess.run(
-        [sys.executable, "-m", "kvcr.bench.remote", json.dumps(job)], capture_output=True, text=True, timeout=3600
+        [*prefix, sys.executable, "-m", "kvcr.bench.remote", json.dumps(job)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
     )
     if done.returncode != 0:
-        raise OSError(f"the measuring process failed: {done.stderr.strip()[-800:]}")
+        raise OSError(f"the measuring process{where} failed: {done.stderr.strip()[-800:]}")
     return [RemoteResult(**row) for row in json.loads(done.stdout.strip().splitlines()[-1])]
 
 

@@ -68,7 +68,6 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _HANGUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 _PROT_READ, _MAP_SHARED = 0x1, 0x01
-_memmove = ctypes.memmove
 
 
 def _load_board() -> ModuleType | None:
@@ -269,7 +268,7 @@ class ShmDataPlane:
             if known is None:
                 raise PeerUnavailable(f"shm peer {peer!r} is not connected")
             moves = [move for run in runs for move in self._moves(known, run)]
-            copy = _copier(sum(move[2] for move in moves))
+            copy = copies.copier(sum(move[2] for move in moves))
             alive = self._alive(known)
             if alive:
                 known.users += 1
@@ -376,17 +375,17 @@ class ShmDataPlane:
         try:
             with self._lock:
                 pieces = [self._piece(known, src_id, dst_id) for src_id, dst_id in components]
-                copy = _copier(sum(p[6] for p in pieces) * len(src_slots))
-                # A large read streams past the cache (see _copier): the same runs and checks as a
+                copy = copies.copier(sum(p[6] for p in pieces) * len(src_slots))
+                # A large read streams past the cache (see copies.py): the same runs and checks as a
                 # posted read, then the generation check.
-                runs = slot_runs(zip(src_slots, dst_slots, strict=True)) if copy is not _memmove else []
+                runs = slot_runs(zip(src_slots, dst_slots, strict=True)) if copy is not copies.memmove else []
                 moves = [
                     move
                     for src_id, dst_id in components
                     for src_first, dst_first, count in runs
                     for move in self._moves(known, PieceRun(src_id, src_first, dst_id, dst_first, count))
                 ]
-            if copy is _memmove:
+            if copy is copies.memmove:
                 return _board_reader.copy(board, layout.as_tuple(), pieces, src_slots, dst_slots, gens)  # type: ignore[union-attr,no-any-return]
             for dst, src, nbytes in moves:
                 copy(dst, src, nbytes)
@@ -531,11 +530,6 @@ class ShmDataPlane:
     def broker(self) -> Broker | None:
         """The broker serving our memory (None until the first ``describe``), for diagnostics."""
         return self._broker
-
-
-def _copier(nbytes: int) -> Callable[[int, int, int], object]:
-    """How a read of ``nbytes`` copies (``copies.copier``: streaming only where it pays on this host)."""
-    return copies.copier(nbytes)
 
 
 def _await_reply(sock: socket.socket, timeout_s: float) -> tuple[bytes | None, int]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcr.domain.deadlines import MAX_TIMEOUT_S, Timing
-from kvcr.domain.digests import PAGE_DIGEST_NAMES
+from kvcr.domain.digests import PAGE_DIGEST_NAMES, PageDigest
 from kvcr.domain.endpoints import WILDCARD_HOSTS, bracketed, split_host_port
 from kvcr.domain.errors import ConfigError
 from kvcr.domain.eviction import POLICIES
@@ -118,7 +118,8 @@ class KvcrSettings:
         holder can already answer as another node, so a forgery-proof digest buys little)."""
         if self.page_digest != PAGE_DIGEST_AUTO:
             return self.page_digest
-        return "blake3" if self.node_key_file is not None else "xxh3"
+        chosen = PageDigest.BLAKE3 if self.node_key_file is not None else PageDigest.XXH3
+        return str(chosen.value)
 
     def node_key(self) -> bytes | None:
         """This node's own CURVE secret key (per-node identities), read once at start-up, or None."""
