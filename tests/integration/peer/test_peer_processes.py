@@ -123,11 +123,12 @@ def target():
         token: bytes | None = None,
         pages: int = 256,
         transport: str = "nixl",
-        **checks,  # verify_bytes, page_digest
+        port: int | None = None,
+        **checks,  # verify_bytes, page_digest, node_secret_key, peer_directory_file
     ):
         name = f"target-{time.monotonic_ns()}"
         node = build_node(
-            name, free_port(), page_bytes, slots, token=token, timing=TIMING, transport=transport, **checks
+            name, port or free_port(), page_bytes, slots, token=token, timing=TIMING, transport=transport, **checks
         )
         host = HostPool.allocate(MmapHostMemory(), bench_pool(page_bytes), pages)
         node.register_host_pool("kv", host.regions)
@@ -430,34 +431,25 @@ class Identities:
         return ("--node-key-file", str(self.files[port]), "--directory", str(self.path))
 
 
-def test_a_revoked_node_loses_its_same_host_side_link_within_half_a_second(sources, tmp_path):
+def test_a_revoked_node_loses_its_same_host_side_link_within_half_a_second(sources, target, tmp_path):
     """Issue 43: a node refused over ZMQ in 32 ms kept leasing and reading over its old side link."""
     source_port, target_port = free_port(), free_port()
     ids = Identities(tmp_path, source_port, target_port)
     source = sources(8, transport="shm", port=source_port, extra=ids.source_args(source_port))
-    node = build_node(
-        f"target-{time.monotonic_ns()}",
-        target_port,
-        PAGE,
-        8,
-        timing=TIMING,
+    node, host = target(
         transport="shm",
+        pages=8,
+        port=target_port,
         node_secret_key=ids.keys[target_port][0],
         peer_directory_file=str(ids.path),
     )
-    host = HostPool.allocate(MmapHostMemory(), bench_pool(PAGE), 8)
-    try:
-        node.register_host_pool("kv", host.regions)
-        reads = [PoolRead("kv", source.keys[:4], [0, 1, 2, 3])]
-        assert outcomes(node.client.restore(source.endpoint, reads)) == [Outcome.RESTORED] * 4
-        ids.list(source_port)  # the target's line removed
-        time.sleep(0.5)
-        host.zero()
-        assert Outcome.RESTORED not in outcomes(node.client.restore(source.endpoint, reads))
-        assert all(host.read(slot) == bytes(PAGE) for slot in range(4))
-    finally:
-        node.close()
-        host.free()
+    reads = [PoolRead("kv", source.keys[:4], [0, 1, 2, 3])]
+    assert outcomes(node.client.restore(source.endpoint, reads)) == [Outcome.RESTORED] * 4
+    ids.list(source_port)  # the target's line removed
+    time.sleep(0.5)
+    host.zero()
+    assert Outcome.RESTORED not in outcomes(node.client.restore(source.endpoint, reads))
+    assert all(host.read(slot) == bytes(PAGE) for slot in range(4))
 
 
 def test_one_nodes_side_links_share_its_lease_quota_with_each_other(sources, tmp_path):

@@ -156,12 +156,17 @@ UNSAFE = {
 }
 
 
+def unsafe(kind):
+    """(how to make a file unsafe this way, what the refusal says); skipped where it needs root."""
+    if kind == "another owner" and os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root (CI runs as root)")
+    return UNSAFE[kind]
+
+
 @pytest.mark.parametrize("kind", list(UNSAFE))
 def test_a_directory_anyone_else_could_write_or_that_could_block_is_refused_at_start_up(tmp_path, kind):
     """Issue 43: a 0666 file let another uid append its key and be served; a FIFO hung start-up."""
-    if kind == "another owner" and os.geteuid() != 0:
-        pytest.skip("chown to another uid needs root (CI runs as root)")
-    make, says = UNSAFE[kind]
+    make, says = unsafe(kind)
     path = tmp_path / "peers"
     path.write_text(A_LINE + "\n")
     make(path)
@@ -174,9 +179,7 @@ def test_a_directory_that_becomes_unsafe_at_run_time_admits_nobody_without_block
     """A FIFO renamed over the file stalled the server's reader (1 of 5 requests answered in 4 s)."""
     import threading
 
-    if kind == "another owner" and os.geteuid() != 0:
-        pytest.skip("chown to another uid needs root (CI runs as root)")
-    make, _ = UNSAFE[kind]
+    make, _ = unsafe(kind)
     path = tmp_path / "peers"
     path.write_text(A_LINE + "\n")
     clock = Clock()
